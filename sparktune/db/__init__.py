@@ -1,0 +1,76 @@
+"""The tuning store: SQLAlchemy models, schema versions, JSON Lines import/export and the
+read-only shipped layer."""
+
+from __future__ import annotations
+
+from ._engine import ENV_DB, default_path, resolve_url, safe_url
+from ._jsonl import (
+    ImportReport,
+    LineError,
+    dumps_record,
+    import_jsonl,
+    parse_jsonl,
+    read_jsonl_file,
+    registry_kernel_check,
+    write_jsonl,
+)
+from ._layers import (
+    ENV_SHIPPED,
+    layered,
+    load_shipped,
+    rank,
+    shipped_dir,
+    shipped_files,
+)
+from ._records import (
+    FORMAT_VERSION,
+    STATUSES,
+    Record,
+    RecordError,
+    device_label,
+    now_utc,
+    parse_problem_key,
+    problem_key,
+    record_from_json,
+    record_to_json,
+)
+from ._schema import SCHEMA_VERSION, SchemaError, SchemaOutdatedError, SchemaTooNewError
+from ._store import Store, StoreMissingError, open_error_text
+
+__all__ = [
+    "ENV_DB",
+    "ENV_SHIPPED",
+    "FORMAT_VERSION",
+    "SCHEMA_VERSION",
+    "STATUSES",
+    "ImportReport",
+    "LineError",
+    "Record",
+    "RecordError",
+    "SchemaError",
+    "SchemaOutdatedError",
+    "SchemaTooNewError",
+    "Store",
+    "StoreMissingError",
+    "default_path",
+    "device_label",
+    "dumps_record",
+    "import_jsonl",
+    "layered",
+    "load_shipped",
+    "now_utc",
+    "open_error_text",
+    "parse_jsonl",
+    "parse_problem_key",
+    "problem_key",
+    "rank",
+    "read_jsonl_file",
+    "record_from_json",
+    "record_to_json",
+    "registry_kernel_check",
+    "resolve_url",
+    "safe_url",
+    "shipped_dir",
+    "shipped_files",
+    "write_jsonl",
+]

@@ -1,0 +1,95 @@
+"""Layers of records and how the best candidate of a problem is chosen from them.
+
+Layers, most specific first: the user's (or shared) database, then the read-only files
+shipped in ``tuning_db/`` (one JSON Lines file per GPU model). For a problem, the first layer
+that has a usable record decides; within a layer the latest measurement of each candidate
+counts, records measured with this exact driver and CUDA version are preferred over records of
+the same GPU model with another driver, and candidates are ranked by median time.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from ..problem import DeviceInfo, Problem
+from ._jsonl import LineError, read_jsonl_file
+from ._records import Record
+
+__all__ = ["ENV_SHIPPED", "layered", "load_shipped", "rank", "shipped_dir", "shipped_files"]
+
+#: directory of shipped records (overrides the packaged one; empty: no shipped layer)
+ENV_SHIPPED = "SPARKTUNE_SHIPPED_DB"
+
+
+def shipped_dir() -> Path | None:
+    env = os.environ.get(ENV_SHIPPED)
+    if env is not None:
+        return Path(env) if env else None
+    here = Path(__file__).resolve().parent.parent  # the sparktune package
+    for candidate in (here / "tuning_db", here.parent / "tuning_db"):
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def shipped_files(directory: Path | None = None) -> list[Path]:
+    d = directory if directory is not None else shipped_dir()
+    if d is None or not d.is_dir():
+        return []
+    return sorted(d.glob("*.jsonl"))
+
+
+def load_shipped(directory: Path | None = None) -> tuple[list[Record], list[LineError]]:
+    """Every valid record of the shipped files, and the errors of the invalid lines."""
+    records: list[Record] = []
+    errors: list[LineError] = []
+    for path in shipped_files(directory):
+        try:
+            good, bad = read_jsonl_file(path)
+        except OSError as e:
+            errors.append(LineError(str(path), 0, f"cannot read: {e}"))
+            continue
+        for _, r in good:
+            r.source = f"shipped:{path.name}"
+            records.append(r)
+        errors.extend(bad)
+    return records, errors
+
+
+def _same_fingerprint(r: Record, device: DeviceInfo | None) -> bool:
+    return device is not None and r.device.driver == device.driver and r.device.cuda == device.cuda
+
+
+def rank(records: Iterable[Record], device: DeviceInfo | None = None) -> dict[Problem, list[Record]]:
+    """Usable records per problem, fastest first: the latest measurement of each candidate
+    (a later failure or wrong result removes a candidate), ``ok`` only."""
+    latest: dict[tuple, Record] = {}
+    for r in records:
+        key = (r.problem, r.device.driver, r.device.cuda, r.backend, r.config)
+        old = latest.get(key)
+        if old is None or r.measured_at >= old.measured_at:
+            latest[key] = r
+    per_problem: dict[Problem, list[Record]] = {}
+    for r in latest.values():
+        if r.status == "ok" and r.median_ms is not None:
+            per_problem.setdefault(r.problem, []).append(r)
+    out: dict[Problem, list[Record]] = {}
+    for problem, recs in per_problem.items():
+        exact = [r for r in recs if _same_fingerprint(r, device)]
+        chosen = exact or recs
+        chosen.sort(key=lambda r: (r.median_ms, r.backend, r.config))
+        # one entry per candidate (records of other drivers may repeat it)
+        seen: set[tuple[str, str]] = set()
+        out[problem] = [r for r in chosen if not ((r.backend, r.config) in seen or seen.add((r.backend, r.config)))]
+    return out
+
+
+def layered(layers: Sequence[Iterable[Record]], device: DeviceInfo | None = None) -> dict[Problem, list[Record]]:
+    """Merge ranked layers, most specific first: a problem takes the first layer that has it."""
+    out: dict[Problem, list[Record]] = {}
+    for layer in layers:
+        for problem, recs in rank(layer, device).items():
+            out.setdefault(problem, recs)
+    return out

@@ -1,0 +1,79 @@
+"""SQLAlchemy 2.0 models of the tuning store (the current schema version)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import sqlalchemy as sa
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+__all__ = ["Base", "Measurement", "Meta"]
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Meta(Base):
+    """Key/value facts about the store itself; ``schema_version`` is the one that matters."""
+
+    __tablename__ = "sparktune_meta"
+
+    key: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(sa.String(255))
+
+
+class Measurement(Base):
+    """One measured candidate: the problem key, the device fingerprint and build id, and what
+    was measured. Every candidate of every tuning run is kept, not only the winner."""
+
+    __tablename__ = "sparktune_records"
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    uid: Mapped[str] = mapped_column(sa.String(64), unique=True)
+
+    # problem
+    op: Mapped[str] = mapped_column(sa.String(8))
+    dtype: Mapped[str] = mapped_column(sa.String(16))
+    batch: Mapped[int] = mapped_column(sa.Integer)
+    heads_q: Mapped[int] = mapped_column(sa.Integer)
+    heads_kv: Mapped[int] = mapped_column(sa.Integer)
+    seqlen_q: Mapped[int] = mapped_column(sa.Integer)
+    seqlen_k: Mapped[int] = mapped_column(sa.Integer)
+    head_dim: Mapped[int] = mapped_column(sa.Integer)
+    causal: Mapped[bool] = mapped_column(sa.Boolean)
+    allow_fp16_accum: Mapped[bool] = mapped_column(sa.Boolean)
+
+    # device fingerprint and kernel-family build
+    device_name: Mapped[str] = mapped_column(sa.String(128))
+    cc_major: Mapped[int] = mapped_column(sa.Integer)
+    cc_minor: Mapped[int] = mapped_column(sa.Integer)
+    sm_count: Mapped[int] = mapped_column(sa.Integer)
+    driver: Mapped[str] = mapped_column(sa.String(64), default="")
+    cuda: Mapped[str] = mapped_column(sa.String(32), default="")
+    build_id: Mapped[str] = mapped_column(sa.String(64))
+
+    # value
+    backend: Mapped[str] = mapped_column(sa.String(64))
+    config: Mapped[str] = mapped_column(sa.String(255))
+    status: Mapped[str] = mapped_column(sa.String(16))
+    median_ms: Mapped[float | None] = mapped_column(sa.Float)
+    min_ms: Mapped[float | None] = mapped_column(sa.Float)
+    max_ms: Mapped[float | None] = mapped_column(sa.Float)
+    runs: Mapped[int] = mapped_column(sa.Integer, default=0)
+    tflops: Mapped[float | None] = mapped_column(sa.Float)
+    error: Mapped[float | None] = mapped_column(sa.Float)
+    message: Mapped[str] = mapped_column(sa.Text, default="")
+
+    # provenance
+    host: Mapped[str] = mapped_column(sa.String(255), default="")
+    measured_at: Mapped[datetime] = mapped_column(sa.DateTime(timezone=True))
+    version: Mapped[str] = mapped_column(sa.String(32), default="")
+
+    __table_args__ = (
+        sa.Index("ix_sparktune_records_device", "device_name", "cc_major", "cc_minor", "sm_count", "build_id"),
+        sa.Index(
+            "ix_sparktune_records_problem",
+            "op", "dtype", "head_dim", "seqlen_q", "seqlen_k", "batch", "heads_q",
+        ),
+    )

@@ -1,0 +1,110 @@
+"""Schema version of the store, creation and step-by-step upgrades.
+
+The version lives in ``sparktune_meta`` under ``schema_version``. A store written by a newer
+sparktune (a version this code does not know) is refused, never modified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from ._engine import lock_for_schema_change, write_connection
+from ._models import Base, Measurement, Meta
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "SchemaError",
+    "SchemaOutdatedError",
+    "SchemaTooNewError",
+    "ensure_schema",
+    "stored_version",
+]
+
+#: the schema version this code writes
+SCHEMA_VERSION = 1
+
+#: MIGRATIONS[n] upgrades a store at version n to n + 1, inside one transaction
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
+
+
+class SchemaError(RuntimeError):
+    """The store's schema cannot be used."""
+
+
+class SchemaTooNewError(SchemaError):
+    """The store was written by a newer sparktune."""
+
+
+class SchemaOutdatedError(SchemaError):
+    """The store has an older schema and upgrading was not allowed."""
+
+
+def stored_version(conn: Connection) -> int | None:
+    """The store's schema version, or None for a database without sparktune tables."""
+    insp = sa.inspect(conn)
+    if not insp.has_table(Meta.__tablename__):
+        if insp.has_table(Measurement.__tablename__):
+            raise SchemaError(
+                f"the database has a {Measurement.__tablename__} table but no "
+                f"{Meta.__tablename__} table: it was not written by sparktune, or is damaged"
+            )
+        return None
+    value = conn.execute(sa.select(Meta.value).where(Meta.key == "schema_version")).scalar()
+    if value is None or not str(value).isdigit():
+        raise SchemaError(f"the database has no valid schema_version (found {value!r})")
+    return int(value)
+
+
+def _check_not_newer(version: int | None, where: str) -> None:
+    if version is not None and version > SCHEMA_VERSION:
+        raise SchemaTooNewError(
+            f"{where} has tuning-store schema version {version}, but this sparktune knows "
+            f"versions up to {SCHEMA_VERSION}; upgrade sparktune, or use another database "
+            "(--db or SPARKTUNE_DB). The database was left untouched."
+        )
+
+
+def _set_version(conn: Connection, version: int) -> None:
+    updated = conn.execute(
+        sa.update(Meta).where(Meta.key == "schema_version").values(value=str(version))
+    ).rowcount
+    if not updated:
+        conn.execute(sa.insert(Meta).values(key="schema_version", value=str(version)))
+
+
+def ensure_schema(engine: Engine, *, where: str, create: bool = True, upgrade: bool = True) -> int | None:
+    """Make the store usable by this code and return its schema version (None when it has no
+    tables and ``create`` is False). Creates missing tables and upgrades an older schema
+    (when allowed); refuses a newer one."""
+    with engine.connect() as conn, conn.begin():
+        version = stored_version(conn)
+    _check_not_newer(version, where)
+    if version == SCHEMA_VERSION:
+        return version
+    if version is None and not create:
+        return None
+    if version is not None and not upgrade:
+        raise SchemaOutdatedError(
+            f"{where} has tuning-store schema version {version}; this sparktune needs "
+            f"{SCHEMA_VERSION}: run `sparktune db upgrade`"
+        )
+    with write_connection(engine) as conn, conn.begin():
+        lock_for_schema_change(conn)
+        # another process may have created or upgraded it meanwhile: look again under the lock
+        version = stored_version(conn)
+        _check_not_newer(version, where)
+        if version is None:
+            Base.metadata.create_all(conn)
+            _set_version(conn, SCHEMA_VERSION)
+            return SCHEMA_VERSION
+        while version < SCHEMA_VERSION:
+            step = MIGRATIONS.get(version)
+            if step is None:
+                raise SchemaError(f"{where}: no upgrade from schema version {version}")
+            step(conn)
+            version += 1
+            _set_version(conn, version)
+    return version

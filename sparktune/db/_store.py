@@ -1,0 +1,255 @@
+"""The tuning store: records in and out of a SQL database through SQLAlchemy."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from datetime import UTC
+from typing import Any, Self, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+from ..problem import DeviceInfo, Problem
+from ._engine import make_engine, resolve_url, safe_url, sqlite_file, write_connection
+from ._models import Measurement
+from ._records import Record
+from ._schema import SCHEMA_VERSION, ensure_schema
+
+__all__ = ["Store", "StoreMissingError"]
+
+T = TypeVar("T")
+
+_PROBLEM_COLUMNS = ("op", "dtype", "batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim",
+                    "causal", "allow_fp16_accum")
+
+
+class StoreMissingError(FileNotFoundError):
+    """The store does not exist and was not to be created."""
+
+
+def _is_transient(exc: BaseException) -> bool:
+    """A lock or busy error that is worth retrying (SQLite's busy timeout already waited)."""
+    text = str(getattr(exc, "orig", exc)).lower()
+    return "locked" in text or "busy" in text
+
+
+def _with_retry(fn: Callable[[], T], deadline_s: float) -> T:
+    deadline = time.monotonic() + deadline_s
+    delay = 0.01
+    while True:
+        try:
+            return fn()
+        except OperationalError as e:
+            if not _is_transient(e) or time.monotonic() > deadline:
+                raise
+        time.sleep(delay * (1 + random.random()))
+        delay = min(delay * 2, 0.5)
+
+
+def _row_values(r: Record) -> dict[str, Any]:
+    p, d = r.problem, r.device
+    values: dict[str, Any] = {c: getattr(p, c) for c in _PROBLEM_COLUMNS}
+    values.update(
+        uid=r.uid,
+        device_name=d.name,
+        cc_major=d.capability[0],
+        cc_minor=d.capability[1],
+        sm_count=d.sm_count,
+        driver=d.driver,
+        cuda=d.cuda,
+        build_id=r.build_id,
+        backend=r.backend,
+        config=r.config,
+        status=r.status,
+        median_ms=r.median_ms,
+        min_ms=r.min_ms,
+        max_ms=r.max_ms,
+        runs=r.runs,
+        tflops=r.tflops,
+        error=r.error,
+        message=r.message,
+        host=r.host,
+        measured_at=r.measured_at,
+        version=r.version,
+    )
+    return values
+
+
+def _to_record(m: Any, source: str) -> Record:
+    """A record from a result row (attribute access by column name)."""
+    when = m.measured_at
+    if when.tzinfo is None:  # SQLite keeps no zone; we always write UTC
+        when = when.replace(tzinfo=UTC)
+    return Record(
+        problem=Problem(**{c: getattr(m, c) for c in _PROBLEM_COLUMNS}),
+        device=DeviceInfo(
+            name=m.device_name,
+            capability=(m.cc_major, m.cc_minor),
+            sm_count=m.sm_count,
+            driver=m.driver,
+            cuda=m.cuda,
+        ),
+        build_id=m.build_id,
+        backend=m.backend,
+        config=m.config,
+        status=m.status,
+        median_ms=m.median_ms,
+        min_ms=m.min_ms,
+        max_ms=m.max_ms,
+        runs=m.runs,
+        tflops=m.tflops,
+        error=m.error,
+        message=m.message,
+        host=m.host,
+        measured_at=when,
+        version=m.version,
+        uid=m.uid,
+        source=source,
+    )
+
+
+class Store:
+    """A tuning store at ``url`` (None: ``$SPARKTUNE_DB`` or the default SQLite file).
+
+    ``create``: make the tables when the database has none (and the SQLite file when it does
+    not exist); ``upgrade``: bring an older schema up to date. ``timeout`` (seconds) bounds
+    waiting for locks and connections.
+    """
+
+    def __init__(
+        self,
+        url: str | URL | None = None,
+        *,
+        create: bool = True,
+        upgrade: bool = True,
+        timeout: float = 30.0,
+    ) -> None:
+        self.url = resolve_url(url)
+        self.display_url = safe_url(self.url)
+        self.timeout = timeout
+        path = sqlite_file(self.url)
+        if path is not None and not create and not path.exists():
+            raise StoreMissingError(f"no tuning database at {path}")
+        self.engine = make_engine(self.url, timeout=timeout, create_dir=create)
+        try:
+            self.version = _with_retry(
+                lambda: ensure_schema(self.engine, where=self.display_url, create=create, upgrade=upgrade),
+                timeout,
+            )
+        except BaseException:
+            self.engine.dispose()
+            raise
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Store({self.display_url!r}, schema={self.version})"
+
+    @property
+    def exists(self) -> bool:
+        """Whether the database has sparktune tables."""
+        return self.version is not None
+
+    # ------------------------------------------------------------------ writing
+
+    def add(self, records: Iterable[Record]) -> int:
+        """Insert records in one transaction; records whose uid is already stored are
+        skipped. Returns how many were inserted."""
+        rows = [_row_values(r) for r in records]
+        if not rows or self.version is None:
+            if rows:
+                raise StoreMissingError(f"{self.display_url} has no sparktune tables")
+            return 0
+
+        def run() -> int:
+            with write_connection(self.engine) as conn, conn.begin():
+                existing = self._existing_uids(conn, [r["uid"] for r in rows])
+                fresh: dict[str, dict[str, Any]] = {}
+                for r in rows:
+                    if r["uid"] not in existing:
+                        fresh.setdefault(r["uid"], r)
+                if fresh:
+                    conn.execute(sa.insert(Measurement), list(fresh.values()))
+                return len(fresh)
+
+        return _with_retry(run, self.timeout)
+
+    @staticmethod
+    def _existing_uids(conn: sa.Connection, uids: Sequence[str]) -> set[str]:
+        found: set[str] = set()
+        for i in range(0, len(uids), 500):
+            chunk = uids[i : i + 500]
+            found.update(conn.execute(sa.select(Measurement.uid).where(Measurement.uid.in_(chunk))).scalars())
+        return found
+
+    # ------------------------------------------------------------------ reading
+
+    def records(
+        self,
+        *,
+        problem: Problem | None = None,
+        device: DeviceInfo | None = None,
+        build_id: str | None = None,
+        status: str | None = None,
+        where: dict[str, Any] | None = None,
+    ) -> list[Record]:
+        """Stored records, oldest first. ``device`` matches the GPU model (name, compute
+        capability, SM count), not the driver; ``where`` maps column names to values."""
+        if self.version is None:
+            return []
+        stmt = sa.select(Measurement.__table__)
+        if problem is not None:
+            for c in _PROBLEM_COLUMNS:
+                stmt = stmt.where(getattr(Measurement, c) == getattr(problem, c))
+        if device is not None:
+            stmt = stmt.where(
+                Measurement.device_name == device.name,
+                Measurement.cc_major == device.capability[0],
+                Measurement.cc_minor == device.capability[1],
+                Measurement.sm_count == device.sm_count,
+            )
+        if build_id is not None:
+            stmt = stmt.where(Measurement.build_id == build_id)
+        if status is not None:
+            stmt = stmt.where(Measurement.status == status)
+        for col, value in (where or {}).items():
+            if col not in Measurement.__table__.c:
+                raise KeyError(f"no column {col!r} in the tuning store")
+            stmt = stmt.where(Measurement.__table__.c[col] == value)
+        stmt = stmt.order_by(Measurement.measured_at, Measurement.id)
+
+        def run() -> list[Record]:
+            with self.engine.connect() as conn, conn.begin():
+                return [_to_record(row, self.display_url) for row in conn.execute(stmt)]
+
+        return _with_retry(run, self.timeout)
+
+    def count(self) -> int:
+        if self.version is None:
+            return 0
+        with self.engine.connect() as conn, conn.begin():
+            return int(conn.execute(sa.select(sa.func.count()).select_from(Measurement)).scalar_one())
+
+    @staticmethod
+    def current_schema() -> int:
+        return SCHEMA_VERSION
+
+
+def open_error_text(exc: BaseException) -> str:
+    """One line describing why a store could not be used (no traceback, no password)."""
+    if isinstance(exc, DBAPIError) and exc.orig is not None:
+        return f"{type(exc.orig).__name__}: {str(exc.orig).strip().splitlines()[0]}"
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
