@@ -48,7 +48,7 @@ def default_path() -> Path:
     return _cache_dir() / _FILE_NAME
 
 
-def resolve_url(url: str | URL | None = None) -> URL:
+def resolve_url(url: str | os.PathLike[str] | URL | None = None) -> URL:
     """``url`` if given, else ``$SPARKTUNE_DB``, else the default SQLite file. A bare path
     (no ``://``) is taken as a SQLite file."""
     text = url if url is not None else os.environ.get(ENV_DB) or None
@@ -56,12 +56,13 @@ def resolve_url(url: str | URL | None = None) -> URL:
         return make_url(f"sqlite:///{default_path()}")
     if isinstance(text, URL):
         return text
+    text = os.fspath(text)
     if "://" not in text:
         return make_url(f"sqlite:///{Path(text).expanduser().resolve()}")
     return make_url(text)
 
 
-def safe_url(url: str | URL | None) -> str:
+def safe_url(url: str | os.PathLike[str] | URL | None) -> str:
     """The URL as text with any password hidden (safe for logs, errors and JSON)."""
     try:
         u = resolve_url(url)

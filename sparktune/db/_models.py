@@ -60,15 +60,22 @@ class Measurement(Base):
     median_ms: Mapped[float | None] = mapped_column(sa.Float)
     min_ms: Mapped[float | None] = mapped_column(sa.Float)
     max_ms: Mapped[float | None] = mapped_column(sa.Float)
+    # quartiles (schema 2): the spread that a shared GPU's noise leaves least affected
+    q1_ms: Mapped[float | None] = mapped_column(sa.Float)
+    q3_ms: Mapped[float | None] = mapped_column(sa.Float)
     runs: Mapped[int] = mapped_column(sa.Integer, default=0)
     tflops: Mapped[float | None] = mapped_column(sa.Float)
     error: Mapped[float | None] = mapped_column(sa.Float)
+    # the bound the error was checked against (schema 2)
+    error_limit: Mapped[float | None] = mapped_column(sa.Float)
     message: Mapped[str] = mapped_column(sa.Text, default="")
 
     # provenance
     host: Mapped[str] = mapped_column(sa.String(255), default="")
     measured_at: Mapped[datetime] = mapped_column(sa.DateTime(timezone=True))
     version: Mapped[str] = mapped_column(sa.String(32), default="")
+    # PyTorch's version matters for its SDPA candidates (schema 2)
+    torch_version: Mapped[str] = mapped_column(sa.String(32), default="", server_default="")
 
     __table_args__ = (
         sa.Index("ix_sparktune_records_device", "device_name", "cc_major", "cc_minor", "sm_count", "build_id"),

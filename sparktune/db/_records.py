@@ -70,14 +70,19 @@ class Record:
     median_ms: float | None = None
     min_ms: float | None = None
     max_ms: float | None = None
+    q1_ms: float | None = None
+    q3_ms: float | None = None
     runs: int = 0
     tflops: float | None = None
     #: max abs error against the float64 reference (worst output for bwd)
     error: float | None = None
+    #: the bound ``error`` was checked against (twice PyTorch's own error, plus rounding)
+    error_limit: float | None = None
     message: str = ""
     host: str = field(default_factory=_default_host)
     measured_at: datetime = field(default_factory=now_utc)
     version: str = ""
+    torch_version: str = ""
     uid: str = field(default_factory=lambda: uuid.uuid4().hex)
     #: where the record was read from ("" when it was just made); not stored
     source: str = field(default="", compare=False)
@@ -173,14 +178,22 @@ def record_to_json(r: Record) -> dict[str, Any]:
         "backend": r.backend,
         "config": r.config,
         "status": r.status,
-        "time_ms": {"median": r.median_ms, "min": r.min_ms, "max": r.max_ms},
+        "time_ms": {
+            "median": r.median_ms,
+            "min": r.min_ms,
+            "max": r.max_ms,
+            "q1": r.q1_ms,
+            "q3": r.q3_ms,
+        },
         "runs": r.runs,
         "tflops": r.tflops,
         "error": r.error,
+        "error_limit": r.error_limit,
         "message": r.message,
         "host": r.host,
         "measured_at": _iso(r.measured_at),
         "version": r.version,
+        "torch": r.torch_version,
     }
 
 
@@ -295,12 +308,15 @@ def record_from_json(obj: Any, *, source: str = "") -> Record:
     median = tf.float_("median")
     tmin = tf.float_("min")
     tmax = tf.float_("max")
+    q1 = tf.float_("q1", required=False)
+    q3 = tf.float_("q3", required=False)
     tf.done()
     if status == "ok" and (median is None or median <= 0):
         raise RecordError("time_ms.median", "an ok record needs a median time > 0")
     runs = top.int_("runs", minimum=0)
     tflops = top.float_("tflops")
     error = top.float_("error")
+    error_limit = top.float_("error_limit", required=False)
     message = top.str_("message")
     host = top.str_("host")
     when_text = top.str_("measured_at", allow_empty=False)
@@ -311,6 +327,7 @@ def record_from_json(obj: Any, *, source: str = "") -> Record:
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
     version = top.str_("version")
+    torch_version = top.str_("torch", required=False)
     top.done()
     return Record(
         problem=problem,
@@ -322,13 +339,17 @@ def record_from_json(obj: Any, *, source: str = "") -> Record:
         median_ms=median,
         min_ms=tmin,
         max_ms=tmax,
+        q1_ms=q1,
+        q3_ms=q3,
         runs=runs,
         tflops=tflops,
         error=error,
+        error_limit=error_limit,
         message=message,
         host=host,
         measured_at=when,
         version=version,
+        torch_version=torch_version,
         uid=uid,
         source=source,
     )

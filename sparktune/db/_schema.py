@@ -24,10 +24,29 @@ __all__ = [
 ]
 
 #: the schema version this code writes
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+
+def _add_column(conn: Connection, table: sa.Table, name: str) -> None:
+    """ALTER TABLE ... ADD COLUMN for a column of the current model (portable DDL)."""
+    col = table.c[name]
+    ddl = f"ALTER TABLE {table.name} ADD COLUMN {name} {col.type.compile(dialect=conn.dialect)}"
+    if col.server_default is not None:
+        default = col.server_default.arg
+        ddl += f" DEFAULT '{default}'" if isinstance(default, str) else ""
+    if not col.nullable:
+        ddl += " NOT NULL"
+    conn.execute(sa.text(ddl))
+
+
+def _v1_to_v2(conn: Connection) -> None:
+    """Quartiles of the timing, the error bound and PyTorch's version."""
+    for name in ("q1_ms", "q3_ms", "error_limit", "torch_version"):
+        _add_column(conn, Measurement.__table__, name)
+
 
 #: MIGRATIONS[n] upgrades a store at version n to n + 1, inside one transaction
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _v1_to_v2}
 
 
 class SchemaError(RuntimeError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -16,7 +17,7 @@ from ..problem import DeviceInfo, Problem
 from ._engine import make_engine, resolve_url, safe_url, sqlite_file, write_connection
 from ._models import Measurement
 from ._records import Record
-from ._schema import SCHEMA_VERSION, ensure_schema
+from ._schema import SCHEMA_VERSION, ensure_schema, stored_version
 
 __all__ = ["Store", "StoreMissingError"]
 
@@ -67,13 +68,17 @@ def _row_values(r: Record) -> dict[str, Any]:
         median_ms=r.median_ms,
         min_ms=r.min_ms,
         max_ms=r.max_ms,
+        q1_ms=r.q1_ms,
+        q3_ms=r.q3_ms,
         runs=r.runs,
         tflops=r.tflops,
         error=r.error,
+        error_limit=r.error_limit,
         message=r.message,
         host=r.host,
         measured_at=r.measured_at,
         version=r.version,
+        torch_version=r.torch_version,
     )
     return values
 
@@ -99,13 +104,17 @@ def _to_record(m: Any, source: str) -> Record:
         median_ms=m.median_ms,
         min_ms=m.min_ms,
         max_ms=m.max_ms,
+        q1_ms=m.q1_ms,
+        q3_ms=m.q3_ms,
         runs=m.runs,
         tflops=m.tflops,
         error=m.error,
+        error_limit=m.error_limit,
         message=m.message,
         host=m.host,
         measured_at=when,
         version=m.version,
+        torch_version=m.torch_version,
         uid=m.uid,
         source=source,
     )
@@ -121,7 +130,7 @@ class Store:
 
     def __init__(
         self,
-        url: str | URL | None = None,
+        url: str | os.PathLike[str] | URL | None = None,
         *,
         create: bool = True,
         upgrade: bool = True,
@@ -245,6 +254,19 @@ class Store:
     @staticmethod
     def current_schema() -> int:
         return SCHEMA_VERSION
+
+    @classmethod
+    def upgrade_database(cls, url: str | os.PathLike[str] | URL | None = None, *, timeout: float = 30.0) -> tuple[int | None, int]:
+        """Create or upgrade the store at ``url``; returns (version before, version after)."""
+        resolved = resolve_url(url)
+        engine = make_engine(resolved, timeout=timeout)
+        try:
+            with engine.connect() as conn, conn.begin():
+                before = stored_version(conn)
+            after = _with_retry(lambda: ensure_schema(engine, where=safe_url(resolved)), timeout)
+        finally:
+            engine.dispose()
+        return before, int(after or SCHEMA_VERSION)
 
 
 def open_error_text(exc: BaseException) -> str:

@@ -1,0 +1,116 @@
+"""JSON Lines export and validated import."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from sparktune import db
+from sparktune.db import Store
+from tests._store_helpers import problem, record
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(tmp_path / "t.sqlite3")
+    yield s
+    s.close()
+
+
+def _export(records) -> str:
+    buf = io.StringIO()
+    db.write_jsonl(records, buf)
+    return buf.getvalue()
+
+
+def test_export_import_round_trip(tmp_path, store):
+    recs = [record(problem(seqlen_q=n, seqlen_k=n), config=c) for n in (128, 256) for c in ("a", "b")]
+    recs.append(record(config="crash", status="failed", message="RuntimeError: x"))
+    path = tmp_path / "out.jsonl"
+    path.write_text(_export(recs))
+    assert len(path.read_text().splitlines()) == len(recs)
+    rep = db.import_jsonl(store, path)
+    assert (rep.added, rep.duplicates, rep.errors, rep.refused) == (len(recs), 0, [], False)
+    back = sorted(store.records(), key=lambda r: r.uid)
+    assert [db.record_to_json(r) for r in back] == [db.record_to_json(r) for r in sorted(recs, key=lambda r: r.uid)]
+    # importing again changes nothing
+    rep = db.import_jsonl(store, path)
+    assert (rep.added, rep.duplicates) == (0, len(recs))
+
+
+def _line(**changes):
+    obj = db.record_to_json(record())
+    for dotted, value in changes.items():
+        target = obj
+        *parents, last = dotted.split("__")
+        for p in parents:
+            target = target[p]
+        if value is KeyError:
+            del target[last]
+        else:
+            target[last] = value
+    return json.dumps(obj)
+
+
+@pytest.mark.parametrize(
+    ("line", "expect"),
+    [
+        ("{oops", "not valid JSON"),
+        ("[1, 2]", "must be an object"),
+        (_line(format=99), "format: unsupported record format 99"),
+        (_line(problem__head_dim=0), "problem.head_dim: must be an integer >= 1"),
+        (_line(problem__op="sideways"), "problem.op: must be one of"),
+        (_line(problem__heads_kv=3), "problem: heads_q (4) must be a multiple of heads_kv (3)"),
+        (_line(problem__causal="yes"), "problem.causal: must be true or false"),
+        (_line(device__capability=[9]), "device.capability: must be [major, minor]"),
+        (_line(time_ms__median=None), "time_ms.median: an ok record needs a median time"),
+        (_line(time_ms__median=float("inf")).replace("Infinity", "1e999"), "time_ms.median: must be a finite number"),
+        (_line(status="great"), "status: must be one of"),
+        (_line(measured_at="yesterday"), "measured_at: must be an ISO 8601 time"),
+        (_line(backend=KeyError), "backend: missing"),
+        (_line(surprise=1), "surprise: unknown field"),
+        (_line(uid="has space"), "uid: must be"),
+    ],
+)
+def test_malformed_lines_are_named(line, expect):
+    good, errors = db.parse_jsonl([line], source="f.jsonl")
+    assert good == []
+    assert len(errors) == 1
+    assert str(errors[0]).startswith("f.jsonl:1: ")
+    assert expect in errors[0].message
+
+
+def _mixed_file(tmp_path):
+    lines = [db.dumps_record(record(config="a")), "", "{broken", db.dumps_record(record(config="b")),
+             _line(problem__batch=-1)]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_import_refuses_whole_file_by_default(tmp_path, store):
+    rep = db.import_jsonl(store, _mixed_file(tmp_path))
+    assert rep.refused
+    assert [e.line for e in rep.errors] == [3, 5]
+    assert store.count() == 0  # nothing half-written
+
+
+def test_import_can_skip_invalid_lines(tmp_path, store):
+    rep = db.import_jsonl(store, _mixed_file(tmp_path), skip_invalid=True)
+    assert not rep.refused
+    assert (rep.added, rep.skipped, rep.read) == (2, 2, 4)
+    assert {r.config for r in store.records()} == {"a", "b"}
+
+
+def test_unknown_kernel_check(tmp_path, store):
+    known = {("knowncost", "fast")}
+
+    def check(r):
+        return None if (r.backend, r.config) in known else f"config: unknown kernel {r.config!r}"
+
+    path = tmp_path / "k.jsonl"
+    path.write_text(_export([record(config="fast"), record(config="ghost")]))
+    rep = db.import_jsonl(store, path, check=check)
+    assert rep.refused and rep.errors[0].line == 2 and "ghost" in rep.errors[0].message
