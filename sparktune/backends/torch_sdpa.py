@@ -1,0 +1,352 @@
+"""PyTorch's scaled_dot_product_attention backends as sparktune candidates.
+
+Configs are the SDPA backends: "flash", "cudnn", "efficient", "math", each forced with
+``torch.nn.attention.sdpa_kernel``. The support rules below are deliberately conservative and
+named; a rule that is too strict costs a candidate, one that is too loose costs a crash.
+
+Semantics that differ from sparktune's and how they are bridged:
+
+- torch's ``is_causal`` is aligned top-left. It is used only when seqlen_q == seqlen_k (where
+  both alignments agree). Other causal problems run on "math" and "efficient" with an explicit
+  bottom-right boolean mask; "flash" and "cudnn" do not support them.
+- Rows with no visible key (causal, seqlen_q > seqlen_k) get output 0 and lse -inf here, as
+  the contract says; torch is given a harmless mask row for them and the row is zeroed after.
+- GQA: ``enable_gqa=True`` on "flash" and "math" with torch >= 2.5; otherwise k and v are
+  expanded with ``repeat_interleave`` (a copy of k and v).
+- The fused kernels read 16-byte vectors: an input whose pointer or strides are not 16-byte
+  aligned (e.g. a slice starting mid-row) is copied first for "flash", "cudnn" and "efficient".
+- The log-sum-exp comes from torch's private SDPA ops that return it ("flash", "cudnn",
+  "efficient", when no mask is needed); otherwise it is
+  computed separately in float32 by :func:`~sparktune.backends.reference.reference_lse`
+  (an extra pass over Q·K^T). With ``need_lse=False`` none of this is done.
+- Backward recomputes the forward with the same SDPA backend under autograd.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from .base import Backend
+from .reference import reference_lse
+
+if TYPE_CHECKING:
+    from ..problem import DeviceInfo, Problem
+
+__all__ = ["TorchSDPABackend", "CONFIGS"]
+
+log = logging.getLogger(__name__)
+
+#: config name -> torch.nn.attention.SDPBackend member
+CONFIGS: dict[str, str] = {
+    "flash": "FLASH_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "math": "MATH",
+}
+#: config name -> private aten op returning (output, logsumexp, ...)
+_LSE_OPS = {
+    "flash": "_scaled_dot_product_flash_attention",
+    "cudnn": "_scaled_dot_product_cudnn_attention",
+    "efficient": "_scaled_dot_product_efficient_attention",
+}
+
+# Support rules (compute capability as one number, e.g. 80 for sm_80).
+FLASH_MIN_ARCH = 80
+CUDNN_MIN_ARCH = 80
+#: torch's own floor is sm_50; sparktune targets Volta and later
+EFFICIENT_MIN_ARCH = 70
+#: flash, cudnn and efficient read head_dim in 16-byte vectors
+HEAD_DIM_MULTIPLE = 8
+FLASH_MAX_HEAD_DIM = 256
+#: flash backward above this head_dim exists only for sm_80 and sm_90 (not sm_86/sm_89)
+FLASH_BWD_LARGE_HEAD_DIM = 192
+FLASH_BWD_LARGE_HEAD_DIM_ARCHS = (80, 90)
+CUDNN_MAX_HEAD_DIM = 128
+EFFICIENT_MAX_HEAD_DIM = 256
+#: cuDNN's SDPA graph in torch needs cuDNN 9
+CUDNN_MIN_VERSION = 90000
+#: torch version with scaled_dot_product_attention(enable_gqa=...)
+GQA_MIN_TORCH = (2, 5)
+#: configs that take enable_gqa=True (others get repeated k/v)
+GQA_NATIVE_CONFIGS = ("flash", "math")
+#: byte alignment the private ops' vector loads need for pointers and strides
+_ALIGN_BYTES = 16
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+@functools.cache
+def _sdp_backend(config: str) -> Any:
+    from torch.nn.attention import SDPBackend
+
+    return getattr(SDPBackend, CONFIGS[config], None)
+
+
+@functools.cache
+def _config_unavailable(config: str) -> tuple[str, ...]:
+    """Why this torch build cannot run ``config`` at all (device aside)."""
+    if _sdp_backend(config) is None:
+        return (f"this torch ({torch.__version__}) has no SDPBackend.{CONFIGS[config]}",)
+    if config == "math":
+        return ()
+    if not torch.cuda.is_available():
+        return ("needs CUDA, and torch sees no CUDA device",)
+    if config == "flash" and not torch.backends.cuda.is_flash_attention_available():
+        return (f"this torch build ({torch.__version__}) has no flash attention",)
+    if config == "cudnn":
+        version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        if version is None or version < CUDNN_MIN_VERSION:
+            return (f"needs cuDNN >= {CUDNN_MIN_VERSION} (found {version})",)
+    return ()
+
+
+@functools.cache
+def _lse_op(config: str) -> tuple[Any, frozenset[str]] | None:
+    """The private op for ``config`` and its argument names, when this torch has it."""
+    name = _LSE_OPS.get(config)
+    packet = getattr(torch.ops.aten, name, None) if name else None
+    if packet is None:
+        return None
+    try:
+        schema = packet.default._schema
+    except Exception:  # noqa: BLE001 - an op without a readable schema is not used
+        return None
+    args = frozenset(a.name for a in schema.arguments)
+    required = {a.name for a in schema.arguments if not a.has_default_value()}
+    if not required <= {"query", "key", "value", "attn_bias", "compute_log_sumexp"}:
+        return None
+    return packet, args
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    elems = _ALIGN_BYTES // t.element_size()
+    return t.data_ptr() % _ALIGN_BYTES == 0 and all(s % elems == 0 for s in t.stride()[:-1])
+
+
+def _prepare(config: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The inputs as the fused kernels can read them: misaligned ones copied (not for math)."""
+    if config == "math":
+        return list(tensors)
+    return [t if _aligned(t) else t.clone(memory_format=torch.contiguous_format) for t in tensors]
+
+
+def _reasons(problem: Problem, config: str, device: DeviceInfo | None) -> list[str]:
+    if config not in CONFIGS:
+        return [f"unknown config {config!r}; torch configs: {', '.join(CONFIGS)}"]
+    reasons = list(_config_unavailable(config))
+    if reasons or config == "math":
+        return reasons
+    if device is None:
+        return ["needs CUDA tensors (only 'math' runs on other devices)"]
+    d, arch = problem.head_dim, device.arch
+    square = problem.seqlen_q == problem.seqlen_k
+    if problem.dtype not in ("float16", "bfloat16"):
+        reasons.append(f"dtype {problem.dtype} (needs float16 or bfloat16)")
+    if d % HEAD_DIM_MULTIPLE:
+        reasons.append(f"head_dim {d} is not a multiple of {HEAD_DIM_MULTIPLE}")
+    if config == "flash":
+        if arch < FLASH_MIN_ARCH:
+            reasons.append(f"needs sm_{FLASH_MIN_ARCH}+ (device is sm_{arch})")
+        if d > FLASH_MAX_HEAD_DIM:
+            reasons.append(f"head_dim {d} > {FLASH_MAX_HEAD_DIM}")
+        if (
+            problem.op == "bwd"
+            and d > FLASH_BWD_LARGE_HEAD_DIM
+            and arch not in FLASH_BWD_LARGE_HEAD_DIM_ARCHS
+        ):
+            reasons.append(
+                f"backward with head_dim {d} > {FLASH_BWD_LARGE_HEAD_DIM} needs sm_80 or sm_90"
+            )
+    elif config == "cudnn":
+        if arch < CUDNN_MIN_ARCH:
+            reasons.append(f"needs sm_{CUDNN_MIN_ARCH}+ (device is sm_{arch})")
+        if d > CUDNN_MAX_HEAD_DIM:
+            reasons.append(f"head_dim {d} > {CUDNN_MAX_HEAD_DIM}")
+    else:  # efficient
+        if arch < EFFICIENT_MIN_ARCH:
+            reasons.append(f"needs sm_{EFFICIENT_MIN_ARCH}+ (device is sm_{arch})")
+        if d > EFFICIENT_MAX_HEAD_DIM:
+            reasons.append(f"head_dim {d} > {EFFICIENT_MAX_HEAD_DIM}")
+    if problem.causal and not square and config in ("flash", "cudnn"):
+        reasons.append(
+            "causal with seqlen_q != seqlen_k: torch aligns is_causal top-left, sparktune "
+            "bottom-right"
+        )
+    return reasons
+
+
+def _bottom_right_mask(nq: int, nk: int, device: torch.device) -> torch.Tensor:
+    """(nq, nk) boolean mask, True where query i sees key j (j <= i + nk - nq). Rows that see
+    nothing are opened fully so that torch produces no NaN; the caller zeroes them."""
+    i = torch.arange(nq, device=device)[:, None]
+    j = torch.arange(nk, device=device)[None, :]
+    visible = j <= i + (nk - nq)
+    if nq > nk:
+        visible[: nq - nk] = True
+    return visible
+
+
+class TorchSDPABackend(Backend):
+    """PyTorch SDPA (flash, cuDNN, memory-efficient, math) behind the sparktune interface."""
+
+    name = "torch"
+    tunable = True
+
+    def unavailable_reasons(self) -> list[str]:
+        try:
+            from torch.nn.attention import sdpa_kernel  # noqa: F401
+        except ImportError as exc:
+            return [f"torch {torch.__version__} has no torch.nn.attention.sdpa_kernel ({exc})"]
+        return []
+
+    def configs(self, op: str = "fwd") -> Sequence[str]:
+        return tuple(CONFIGS)
+
+    def not_supported_reasons(
+        self, problem: Problem, config: str | None = None, device: DeviceInfo | None = None
+    ) -> list[str]:
+        if config is not None:
+            return _reasons(problem, config, device)
+        per_config = {c: _reasons(problem, c, device) for c in CONFIGS}
+        if any(not r for r in per_config.values()):
+            return []
+        return [f"{c}: {'; '.join(r)}" for c, r in per_config.items()]
+
+    # -- running -------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_config(config: str) -> None:
+        if config not in CONFIGS:
+            raise ValueError(f"unknown config {config!r}; torch configs: {', '.join(CONFIGS)}")
+
+    @staticmethod
+    def _sdpa(
+        config: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    ) -> torch.Tensor:
+        """torch's public SDPA forced to ``config``, with sparktune's semantics (rows that see
+        no key are not zeroed here)."""
+        from torch.nn.attention import sdpa_kernel
+
+        nq, nk = q.shape[2], k.shape[2]
+        group = q.shape[1] // k.shape[1]
+        kwargs: dict[str, Any] = {"scale": scale}
+        if causal and nq == nk:
+            kwargs["is_causal"] = True
+        elif causal:
+            kwargs["attn_mask"] = _bottom_right_mask(nq, nk, q.device)
+        if group > 1:
+            if config in GQA_NATIVE_CONFIGS and _torch_version() >= GQA_MIN_TORCH:
+                kwargs["enable_gqa"] = True
+            else:
+                k = k.repeat_interleave(group, dim=1)
+                v = v.repeat_interleave(group, dim=1)
+        with sdpa_kernel(_sdp_backend(config)):
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+    @staticmethod
+    def _sdpa_with_lse(
+        config: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Output and log-sum-exp from torch's private op, or None where it does not apply
+        (no such op, a mask would be needed, an unexpected lse shape)."""
+        op = _lse_op(config)
+        b, hq, nq, _ = q.shape
+        if op is None or (causal and nq != k.shape[2]):
+            return None
+        packet, names = op
+        group = hq // k.shape[1]
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        args = {
+            "query": q,
+            "key": k,
+            "value": v,
+            "attn_bias": None,
+            "compute_log_sumexp": True,
+            "dropout_p": 0.0,
+            "is_causal": bool(causal),
+            "return_debug_mask": False,
+            "scale": scale,
+        }
+        result = packet(**{n: a for n, a in args.items() if n in names})
+        out, lse = result[0], result[1]
+        if lse.dim() == 4 and lse.shape[-1] == 1:
+            lse = lse.squeeze(-1)
+        lse = lse[..., :nq]  # the efficient kernel pads the row count
+        if tuple(lse.shape) != (b, hq, nq) or tuple(out.shape) != tuple(q.shape):
+            log.warning(
+                "sparktune: torch %s returned lse of shape %s for %s; computing lse separately",
+                config,
+                tuple(result[1].shape),
+                tuple(q.shape),
+            )
+            return None
+        return out, lse.float()
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        config: str,
+        causal: bool,
+        scale: float,
+        need_lse: bool = True,
+    ) -> torch.Tensor | None:
+        self._check_config(config)
+        nq, nk = q.shape[2], k.shape[2]
+        q, k, v = _prepare(config, q, k, v)
+        lse = None
+        with torch.no_grad():
+            fused = self._sdpa_with_lse(config, q, k, v, causal, scale) if need_lse else None
+            if fused is not None:
+                o, lse = fused
+            else:
+                o = self._sdpa(config, q, k, v, causal, scale)
+                if need_lse:
+                    lse = reference_lse(q, k, causal, scale, torch.float32)
+            out.copy_(o)
+            if causal and nq > nk:  # rows that see no key (their lse is already -inf)
+                out[:, :, : nq - nk].zero_()
+        return lse
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dq: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        *,
+        config: str,
+        causal: bool,
+        scale: float,
+    ) -> None:
+        self._check_config(config)
+        nq, nk = q.shape[2], k.shape[2]
+        leaves = [t.detach().requires_grad_() for t in _prepare(config, q, k, v)]
+        with torch.enable_grad():
+            o = self._sdpa(config, *leaves, causal, scale)
+            if causal and nq > nk:
+                keep = torch.arange(nq, device=q.device) >= nq - nk
+                o = o * keep[:, None].to(o.dtype)
+            gq, gk, gv = torch.autograd.grad(o, leaves, dout)
+        dq.copy_(gq)
+        dk.copy_(gk)
+        dv.copy_(gv)
