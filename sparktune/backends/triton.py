@@ -1,0 +1,256 @@
+"""The Triton backend: FlashAttention-2 forward and backward for sm_80 and later.
+
+Configs are named from their parameters (``tfwd_m128n64_w8s3``, ``tbwd_m32n128_w4s3``,
+``tbwd_m64n128_w8s2_dqatomic``); the declared space is :data:`FWD_SPACE` / :data:`BWD_SPACE`
+in :mod:`sparktune.kernels.triton_space`. Any well-formed name runs, declared or not.
+
+Triton compiles a kernel the first time a (config, dtype, head_dim, causal) variant runs; the
+compiled kernel stays in Triton's process-wide and on-disk caches, the first compile of each
+variant is logged at INFO, and :meth:`TritonBackend.warmup` compiles ahead of time (optionally
+in several processes, which fill the shared on-disk cache).
+
+CPU tensors run under Triton's interpreter when ``TRITON_INTERPRET=1`` was set before the
+kernels were first imported (tests only: it is slow).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import multiprocessing
+import os
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from ..kernels.triton_space import (
+    BWD_SPACE,
+    FWD_SPACE,
+    MAX_HEAD_DIM,
+    MIN_CAPABILITY,
+    MIN_HEAD_DIM,
+    config_reasons,
+    default_config_name,
+    parse_config,
+)
+from .base import Backend
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..problem import DeviceInfo, Problem
+
+__all__ = ["TritonBackend", "warmup_jobs"]
+
+log = logging.getLogger(__name__)
+
+_DTYPES = ("float16", "bfloat16")
+_PRE_AMPERE = (
+    "Triton has no tensor-core path before sm_80 (Volta); use the spark backend"
+)
+
+
+def _interpret_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _triton_import_error() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure makes the backend unavailable
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _kernels():
+    from ..kernels import triton_attn
+
+    return triton_attn
+
+
+def _problem_reasons(problem: Problem, device: DeviceInfo | None) -> list[str]:
+    reasons = []
+    if device is None:
+        if not _interpret_requested():
+            reasons.append(
+                "needs CUDA tensors (CPU tensors run only under Triton's interpreter, "
+                "TRITON_INTERPRET=1)"
+            )
+    elif tuple(device.capability) < MIN_CAPABILITY:
+        reasons.append(f"{_PRE_AMPERE} (device is sm_{device.arch})")
+    if problem.dtype not in _DTYPES:
+        reasons.append(f"dtype {problem.dtype} (needs float16 or bfloat16)")
+    if not MIN_HEAD_DIM <= problem.head_dim <= MAX_HEAD_DIM:
+        reasons.append(f"head_dim {problem.head_dim} outside {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
+    return reasons
+
+
+class TritonBackend(Backend):
+    """FlashAttention-2 in Triton (sparktune.kernels.triton_attn) behind the sparktune
+    interface."""
+
+    name = "triton"
+    tunable = True
+
+    def unavailable_reasons(self) -> list[str]:
+        error = _triton_import_error()
+        if error is not None:
+            return [f"triton is not importable ({error})"]
+        import torch
+
+        if not torch.cuda.is_available() and not _interpret_requested():
+            return [
+                "no CUDA GPU visible to torch (set TRITON_INTERPRET=1 to run CPU tensors "
+                "under Triton's interpreter, slowly)"
+            ]
+        return []
+
+    def configs(self, op: str = "fwd") -> Sequence[str]:
+        if op == "fwd":
+            return tuple(c.name for c in FWD_SPACE)
+        if op == "bwd":
+            return tuple(c.name for c in BWD_SPACE)
+        raise ValueError(f"op must be 'fwd' or 'bwd', got {op!r}")
+
+    def not_supported_reasons(
+        self, problem: Problem, config: str | None = None, device: DeviceInfo | None = None
+    ) -> list[str]:
+        reasons = _problem_reasons(problem, device)
+        if config is None:
+            if not reasons and default_config_name(problem, device) is None:
+                space = FWD_SPACE if problem.op == "fwd" else BWD_SPACE
+                first = config_reasons(space[0], problem, device)
+                reasons.append(
+                    f"no {problem.op} config of the space fits (e.g. {'; '.join(first)})"
+                )
+            return reasons
+        try:
+            cfg = parse_config(config)
+        except ValueError as exc:
+            return [*reasons, str(exc)]
+        return [*reasons, *config_reasons(cfg, problem, device)]
+
+    def default_config(self, problem: Problem, device: DeviceInfo | None = None) -> str | None:
+        if self.unavailable_reasons() or _problem_reasons(problem, device):
+            return None
+        return default_config_name(problem, device)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        config: str,
+        causal: bool,
+        scale: float,
+        need_lse: bool = True,
+    ) -> torch.Tensor | None:
+        kernels = _kernels()
+        _check_device(kernels, q)
+        with _on_device(q):
+            return kernels.attention_forward(q, k, v, out, config=config, causal=causal, scale=scale)
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dq: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        *,
+        config: str,
+        causal: bool,
+        scale: float,
+    ) -> None:
+        kernels = _kernels()
+        _check_device(kernels, q)
+        with _on_device(q):
+            kernels.attention_backward(
+                dout, q, k, v, out, lse, dq, dk, dv, config=config, causal=causal, scale=scale
+            )
+
+    def warmup(
+        self, problem: Problem, configs: Iterable[str] | None = None, *, processes: int = 1
+    ) -> dict[str, float]:
+        """Compile ``configs`` (default: the heuristic default) for ``problem`` ahead of time;
+        returns config name -> compile seconds. With ``processes > 1`` the compilation runs in
+        that many worker processes (they fill Triton's on-disk cache, from which this process
+        then loads). A config that fails to compile is logged and left out."""
+        if configs is None:
+            name = self.default_config(problem)
+            configs = [name] if name else []
+        return warmup_jobs([(problem, c) for c in configs], processes=processes)
+
+
+def _check_device(kernels, q: torch.Tensor) -> None:
+    if q.device.type != "cuda" and not kernels.INTERPRET:
+        raise RuntimeError(
+            f"the Triton kernels need CUDA tensors (got {q.device}); CPU tensors run only under "
+            "Triton's interpreter, and TRITON_INTERPRET=1 must be set before "
+            "sparktune.kernels.triton_attn is first imported"
+        )
+
+
+def _on_device(q: torch.Tensor):
+    """Make q's GPU the current one, where Triton launches."""
+    import contextlib
+
+    import torch
+
+    if q.device.type == "cuda":
+        return torch.cuda.device(q.device)
+    return contextlib.nullcontext()
+
+
+def _warmup_one(problem: Problem, config: str) -> tuple[str, float | None, str | None]:
+    try:
+        seconds = _kernels().warmup(problem, [config]).get(config, 0.0)
+        return config, seconds, None
+    except Exception as exc:  # noqa: BLE001 - reported to the caller, never fatal
+        return config, None, f"{type(exc).__name__}: {exc}"
+
+
+def warmup_jobs(
+    jobs: Sequence[tuple[Problem, str]], *, processes: int = 1
+) -> dict[str, float]:
+    """Compile each (problem, config) pair; see :meth:`TritonBackend.warmup`. The result maps
+    ``"<config> <dtype> d<head_dim> causal=<0|1>"`` to compile seconds (in the workers when
+    ``processes > 1``)."""
+    kernels = _kernels()
+    if kernels.INTERPRET or not jobs:
+        return {}
+
+    def key(p: Problem, c: str) -> str:
+        return f"{c} {p.dtype} d{p.head_dim} causal={int(p.causal)}"
+
+    results: dict[str, float] = {}
+    if processes > 1:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx) as pool:
+            futures = {pool.submit(_warmup_one, p, c): (p, c) for p, c in jobs}
+            for fut in concurrent.futures.as_completed(futures):
+                p, c = futures[fut]
+                try:
+                    _, seconds, error = fut.result()
+                except Exception as exc:  # noqa: BLE001 - a dead worker is reported, not fatal
+                    seconds, error = None, f"{type(exc).__name__}: {exc}"
+                if error is not None:
+                    log.warning("triton: warmup of %s failed: %s", key(p, c), error)
+                else:
+                    results[key(p, c)] = seconds or 0.0
+    # in this process: loads what the workers compiled (or compiles, with processes <= 1)
+    for p, c in jobs:
+        _, seconds, error = _warmup_one(p, c)
+        if error is not None:
+            if processes <= 1:
+                log.warning("triton: warmup of %s failed: %s", key(p, c), error)
+        elif processes <= 1:
+            results[key(p, c)] = seconds or 0.0
+    return results
