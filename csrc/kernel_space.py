@@ -1,0 +1,85 @@
+"""The declared configuration space of the forward kernel family: the one source of truth.
+
+Each entry becomes one generated .cu file at build time; its name (e.g.
+``fwd_sm80_f16_d128_m128n64_w4x1_acc32_preg``) is the build filter, the registry key, the
+database value and the log label. Whether an entry can work is decided by the C++ rules in
+``include/sparktune/fwd_config.h`` (the generator asks a small probe compiled from them), not
+here.
+
+Name fields: ``sm70``/``sm80`` MMA family (mma.m8n8k4 / mma.m16n8k16), dtype, head dim,
+block_m x block_n, warps along M x along N, accumulator bits, softmax policy (``preg``: P stays
+in registers; ``psmem``: S and P go through shared memory).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+from dataclasses import dataclass
+
+DTYPES = {"f16": ("float16", "cutlass::half_t"), "bf16": ("bfloat16", "cutlass::bfloat16_t")}
+SOFTMAX = {"preg": "SoftmaxPolicy::kRegisters", "psmem": "SoftmaxPolicy::kShared"}
+
+
+@dataclass(frozen=True)
+class FwdEntry:
+    family: int
+    dtype: str
+    head_dim: int
+    block_m: int
+    block_n: int
+    warps_m: int
+    warps_n: int
+    accum: int
+    softmax: str
+
+    @property
+    def name(self) -> str:
+        return (
+            f"fwd_sm{self.family}_{self.dtype}_d{self.head_dim}_m{self.block_m}n{self.block_n}"
+            f"_w{self.warps_m}x{self.warps_n}_acc{self.accum}_{self.softmax}"
+        )
+
+    @property
+    def config_type(self) -> str:
+        acc32 = "true" if self.accum == 32 else "false"
+        return (
+            f"FwdConfig<{self.family}, {DTYPES[self.dtype][1]}, {self.head_dim}, {self.block_m}, "
+            f"{self.block_n}, {self.warps_m}, {self.warps_n}, {acc32}, {SOFTMAX[self.softmax]}>"
+        )
+
+
+def _product(family, dtypes, head_dims, tiles, warps, accums, softmaxes):
+    for dt, hd, (bm, bn), (wm, wn), acc, sm in itertools.product(
+        dtypes, head_dims, tiles, warps, accums, softmaxes
+    ):
+        yield FwdEntry(family, dt, hd, bm, bn, wm, wn, acc, sm)
+
+
+def forward_space() -> list[FwdEntry]:
+    """Every declared forward configuration (valid or not; the C++ rules decide)."""
+    entries: list[FwdEntry] = []
+    # Ampere and later (m16n8k16). Register softmax with all warps along M is FlashAttention-2's
+    # arrangement; shared softmax lets warps split the key block too.
+    tiles80 = [(64, 32), (64, 64), (64, 128), (128, 32), (128, 64), (128, 128)]
+    entries += _product(80, ["f16", "bf16"], [32, 64, 96, 128, 256], tiles80,
+                        [(4, 1), (8, 1)], [32], ["preg"])
+    entries += _product(80, ["f16"], [32, 64, 96, 128, 256], tiles80,
+                        [(4, 1), (8, 1)], [16], ["preg"])
+    entries += _product(80, ["f16", "bf16"], [64, 128], [(64, 64), (128, 64), (128, 128)],
+                        [(2, 2), (4, 2)], [32], ["psmem"])
+    # Volta (m8n8k4): fp16 only, both accumulations, S and P through shared memory.
+    tiles70 = [(32, 32), (64, 32), (64, 64), (128, 32), (128, 64)]
+    entries += _product(70, ["f16"], [32, 64, 96, 128], tiles70,
+                        [(1, 1), (2, 1), (4, 1), (2, 2)], [32, 16], ["psmem"])
+    names = [e.name for e in entries]
+    assert len(names) == len(set(names)), "duplicate configuration names"
+    return entries
+
+
+def select(entries: list[FwdEntry], patterns: str | None) -> list[FwdEntry]:
+    """Entries whose name matches any of the comma-separated shell patterns (all when empty)."""
+    pats = [p.strip() for p in (patterns or "").split(",") if p.strip()]
+    if not pats:
+        return list(entries)
+    return [e for e in entries if any(fnmatch.fnmatchcase(e.name, p) for p in pats)]

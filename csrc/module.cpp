@@ -1,0 +1,148 @@
+// sparktune._C: the compiled kernel family behind a small pybind11 interface. No torch here:
+// pointers, strides, sizes and a stream handle come in as integers (csrc/INTERFACE.md).
+#include <cuda_runtime.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cmath>
+#include <sstream>
+#include <tuple>
+
+#include "sparktune/registry.h"
+
+namespace py = pybind11;
+using sparktune::FwdParams;
+using sparktune::KernelInfo;
+using sparktune::Registry;
+
+namespace sparktune {
+extern const char* kBuildSpaceId;
+}
+
+#ifndef SPARKTUNE_VERSION
+#define SPARKTUNE_VERSION "0.0.0"
+#endif
+#ifndef SPARKTUNE_ARCHS
+#define SPARKTUNE_ARCHS ""
+#endif
+#ifndef SPARKTUNE_KERNEL_FILTER
+#define SPARKTUNE_KERNEL_FILTER ""
+#endif
+
+namespace {
+
+using Strides = std::tuple<int64_t, int64_t, int64_t>;
+
+py::dict kernel_dict(const KernelInfo& k) {
+  py::dict d;
+  d["name"] = k.name;
+  d["op"] = k.op;
+  d["family"] = k.family;
+  d["atom"] = k.atom;
+  d["dtype"] = k.dtype;
+  d["head_dim"] = k.head_dim;
+  d["block_m"] = k.block_m;
+  d["block_n"] = k.block_n;
+  d["warps_m"] = k.warps_m;
+  d["warps_n"] = k.warps_n;
+  d["accum"] = k.accum;
+  d["softmax"] = k.softmax;
+  d["threads"] = k.threads;
+  d["smem_bytes"] = k.smem_bytes;
+  d["min_arch"] = k.min_arch;
+  return d;
+}
+
+std::vector<int> parse_archs(const std::string& s) {
+  std::vector<int> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ';')) {
+    if (!item.empty()) out.push_back(std::stoi(item));
+  }
+  return out;
+}
+
+void fwd(const std::string& name, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o,
+         uintptr_t lse, int batch, int heads_q, int heads_kv, int seqlen_q, int seqlen_k,
+         int head_dim, Strides qs, Strides ks, Strides vs, Strides os, double scale, bool causal,
+         uintptr_t stream) {
+  const KernelInfo* info = Registry::instance().find(name);
+  if (info == nullptr) throw std::invalid_argument("unknown kernel '" + name + "'");
+  if (head_dim != info->head_dim) {
+    throw std::invalid_argument("kernel '" + name + "' is built for head_dim " +
+                                std::to_string(info->head_dim) + ", got " +
+                                std::to_string(head_dim));
+  }
+  if (batch < 1 || heads_q < 1 || heads_kv < 1 || seqlen_q < 1 || seqlen_k < 1 ||
+      heads_q % heads_kv != 0) {
+    throw std::invalid_argument("invalid sizes: batch, heads and seqlens must be positive and "
+                                "heads_q a multiple of heads_kv");
+  }
+  if (batch > 65535 || heads_q > 65535) {
+    throw std::invalid_argument("batch and heads_q must be at most 65535");
+  }
+  if (!(scale > 0.0) || !std::isfinite(scale)) {
+    throw std::invalid_argument("scale must be a finite positive number");
+  }
+  FwdParams p;
+  p.q = reinterpret_cast<const void*>(q);
+  p.k = reinterpret_cast<const void*>(k);
+  p.v = reinterpret_cast<const void*>(v);
+  p.o = reinterpret_cast<void*>(o);
+  p.lse = reinterpret_cast<float*>(lse);
+  std::tie(p.q_batch_stride, p.q_head_stride, p.q_row_stride) = qs;
+  std::tie(p.k_batch_stride, p.k_head_stride, p.k_row_stride) = ks;
+  std::tie(p.v_batch_stride, p.v_head_stride, p.v_row_stride) = vs;
+  std::tie(p.o_batch_stride, p.o_head_stride, p.o_row_stride) = os;
+  p.batch = batch;
+  p.heads_q = heads_q;
+  p.heads_kv = heads_kv;
+  p.group = heads_q / heads_kv;
+  p.seqlen_q = seqlen_q;
+  p.seqlen_k = seqlen_k;
+  p.head_dim = head_dim;
+  p.scale = static_cast<float>(scale);
+  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  p.causal = causal;
+  cudaError_t err = info->launch(p, reinterpret_cast<cudaStream_t>(stream));
+  if (err != cudaSuccess) {
+    throw std::runtime_error("kernel '" + name + "' failed to launch: " + cudaGetErrorString(err));
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "sparktune compiled attention kernels";
+  m.def("build_info", [] {
+    py::dict d;
+    d["version"] = SPARKTUNE_VERSION;
+    d["cuda_version"] = std::to_string(CUDART_VERSION / 1000) + "." +
+                        std::to_string((CUDART_VERSION % 1000) / 10);
+    d["archs"] = parse_archs(SPARKTUNE_ARCHS);
+    d["build_id"] = std::string(sparktune::kBuildSpaceId) + "-" + SPARKTUNE_ARCHS;
+    d["kernel_filter"] = SPARKTUNE_KERNEL_FILTER;
+    return d;
+  });
+  m.def("kernels", [] {
+    py::list out;
+    for (const auto& k : Registry::instance().kernels()) out.append(kernel_dict(k));
+    return out;
+  });
+  m.def("excluded", [] {
+    py::list out;
+    for (const auto& e : Registry::instance().excluded()) {
+      py::dict d;
+      d["name"] = e.name;
+      d["reason"] = e.reason;
+      out.append(d);
+    }
+    return out;
+  });
+  m.def("fwd", &fwd, py::arg("name"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
+        py::arg("lse"), py::arg("batch"), py::arg("heads_q"), py::arg("heads_kv"),
+        py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"), py::arg("q_strides"),
+        py::arg("k_strides"), py::arg("v_strides"), py::arg("o_strides"), py::arg("scale"),
+        py::arg("causal"), py::arg("stream"));
+}

@@ -1,0 +1,103 @@
+"""The problem key: what a kernel is asked to compute, and the device it runs on."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Problem", "DeviceInfo", "DTYPES", "OPS"]
+
+DTYPES = ("float16", "bfloat16")
+OPS = ("fwd", "bwd")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One attention problem. Hashable; the tuning database keys records on it.
+
+    Tensors are seen as (batch, heads, seqlen, head_dim); the memory layout (BHND or BNHD, any
+    strides with a contiguous last dimension) is not part of the key.
+    """
+
+    op: str
+    dtype: str
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    causal: bool
+    allow_fp16_accum: bool = False
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {self.op!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.heads_q % self.heads_kv:
+            raise ValueError(
+                f"heads_q ({self.heads_q}) must be a multiple of heads_kv ({self.heads_kv})"
+            )
+
+    @property
+    def group_size(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    def flops(self) -> float:
+        """FLOPs as FlashAttention counts them: 4*B*H*Nq*Nk*D forward (halved when causal and
+        square), backward 2.5x forward."""
+        f = 4.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
+        if self.causal:
+            f /= 2
+        return f * (2.5 if self.op == "bwd" else 1.0)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def replace(self, **changes: Any) -> Problem:
+        d = self.as_dict()
+        d.update(changes)
+        return Problem(**d)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """Fingerprint of the GPU a measurement belongs to."""
+
+    name: str
+    capability: tuple[int, int]
+    sm_count: int
+    driver: str = ""
+    cuda: str = ""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def arch(self) -> int:
+        """Compute capability as one number: (9, 0) -> 90."""
+        return self.capability[0] * 10 + self.capability[1]
+
+    @classmethod
+    def from_torch(cls, device: Any = None) -> DeviceInfo:
+        import torch
+
+        index = torch.device(device if device is not None else "cuda").index
+        if index is None:
+            index = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        driver = ""
+        try:  # the driver version is informative only
+            driver = str(torch.cuda.driver_version()) if hasattr(torch.cuda, "driver_version") else ""
+        except Exception:  # noqa: BLE001
+            driver = ""
+        return cls(
+            name=props.name,
+            capability=(props.major, props.minor),
+            sm_count=props.multi_processor_count,
+            driver=driver,
+            cuda=str(torch.version.cuda or ""),
+        )
