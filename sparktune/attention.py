@@ -142,13 +142,18 @@ def _check_inputs(
 
 @dataclass(frozen=True)
 class _Plan:
-    """What one call runs: the chosen backend and config, and the call's options."""
+    """What one call runs: the chosen backend and config, and what the backward needs to
+    choose its own kernel."""
 
     backend: Backend
     config: str
     causal: bool
     scale: float
     layout: str
+    problem: Problem
+    device: DeviceInfo | None
+    #: the user forced ``backend`` (and maybe ``config``): the backward keeps to it
+    forced: bool
 
 
 def _forward(
@@ -173,6 +178,33 @@ def _forward(
     return out, lse
 
 
+def _backward_choice(plan: _Plan) -> tuple[Backend, str] | None:
+    """The backend and config for the backward: chosen by dispatch for the "bwd" problem
+    (the user's forced backend, and its forward config where it offers it for "bwd", when
+    one was forced); None when none can run it."""
+    from . import dispatch, registry
+
+    problem = plan.problem.replace(op="bwd")
+    try:
+        if plan.forced:
+            b = plan.backend
+            config = plan.config if plan.config in b.configs("bwd") else None
+            selection = dispatch.select(problem, plan.device, backend=b.name, config=config)
+        else:
+            selection = dispatch.select(problem, plan.device)
+    except dispatch.NoKernelError as exc:
+        log.info("sparktune: no backward kernel: %s", exc)
+        return None
+    chosen = selection.candidate
+    if not plan.forced and plan.device is not None and chosen.backend in FALLBACK_BACKENDS:
+        _warn_once(
+            "backward-fallback",
+            f"sparktune: the backward runs on the fallback {chosen.label} because no GPU "
+            "backend can run it here (see `sparktune info`); expect it to be slow",
+        )
+    return registry.get_backend(chosen.backend), chosen.config
+
+
 def _backward(
     plan: _Plan,
     dout: torch.Tensor,
@@ -182,26 +214,31 @@ def _backward(
     out: torch.Tensor,
     lse: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients in the user's layout, from the backend's backward or the reference math."""
+    """Gradients in the user's layout, from a backend's backward or the reference math."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
     bhnd = [_bhnd(t, plan.layout) for t in (dout, q, k, v, out, *grads)]
-    b = plan.backend
-    if type(b).backward is not Backend.backward:
-        try:
-            b.backward(
-                *bhnd[:5], lse, *bhnd[5:], config=plan.config, causal=plan.causal, scale=plan.scale
-            )
-            return grads[0], grads[1], grads[2]
-        except NotImplementedError:
-            pass
+    choice = _backward_choice(plan)
+    if choice is not None:
+        b, config = choice
+        if type(b).backward is not Backend.backward:
+            try:
+                b.backward(
+                    *bhnd[:5], lse, *bhnd[5:], config=config, causal=plan.causal, scale=plan.scale
+                )
+                return grads[0], grads[1], grads[2]
+            except NotImplementedError:
+                pass
+        what = f"backend {b.name!r} config {config!r} has no backward"
+    else:
+        what = f"no backend can run the backward of {plan.problem.replace(op='bwd')}"
     from .backends.reference import reference_attention_backward
 
     _warn_once(
-        f"backward:{b.name}:{plan.config}",
-        f"sparktune: backend {b.name!r} config {plan.config!r} has no backward; gradients are "
-        "recomputed by the float32 reference math (correct but slow)",
+        f"backward:{what}",
+        f"sparktune: {what}; gradients are recomputed by the float32 reference math "
+        "(correct but slow)",
     )
     computed = reference_attention_backward(
         *bhnd[:4], causal=plan.causal, scale=plan.scale, compute_dtype=torch.float32
@@ -278,8 +315,11 @@ def attention(
             that is not contiguous; scale not finite and positive; a backend/config that cannot
             run the problem (:class:`sparktune.dispatch.NoKernelError`, listing why).
 
-    Gradients flow to inputs that require them: through the backend's own backward, or, for a
-    backend without one, through the float32 reference math (a one-time warning says so).
+    Gradients flow to inputs that require them. The backward kernel is chosen like the
+    forward's, for the problem with ``op="bwd"`` (a forced backend stays forced, with its
+    forward config where it offers it for the backward); where the chosen backend has no
+    backward, or none can run it, the float32 reference math recomputes the gradients (a
+    one-time warning says so).
     Running on a fallback (CPU tensors, or the reference backend) is announced once per process.
     """
     qb, kb, _ = _check_inputs(q, k, v, layout)
@@ -313,7 +353,16 @@ def attention(
             f"sparktune: attention runs on the fallback {chosen.label} because {why}; "
             "expect it to be slow",
         )
-    plan = _Plan(registry.get_backend(chosen.backend), chosen.config, bool(causal), scale, layout)
+    plan = _Plan(
+        backend=registry.get_backend(chosen.backend),
+        config=chosen.config,
+        causal=bool(causal),
+        scale=scale,
+        layout=layout,
+        problem=problem,
+        device=device,
+        forced=backend is not None,
+    )
 
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _AttentionFunction.apply(q, k, v, plan)

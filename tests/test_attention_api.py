@@ -277,6 +277,53 @@ def test_backend_without_backward_falls_back_with_one_warning(spy):
     assert_grads_close_to_reference(grads, q, k, v, dout, causal=True)
 
 
+class ForwardOnlyBackend(SpyBackend):
+    """Offers no configuration for the backward at all."""
+
+    name = "fwdonly"
+
+    def configs(self, op="fwd"):
+        return super().configs(op) if op == "fwd" else ()
+
+
+def test_backward_without_any_kernel_falls_back_with_one_warning():
+    registry.register_backend(ForwardOnlyBackend())
+    try:
+        q, k, v = qkv(requires_grad=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = sparktune.attention(q, k, v, backend="fwdonly")
+            dout = torch.randn_like(out)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+    finally:
+        registry.unregister_backend("fwdonly")
+    (note,) = [str(w.message) for w in caught if "backward" in str(w.message)]
+    assert "no backend can run the backward of Problem(op='bwd'" in note
+    assert_grads_close_to_reference(grads, q, k, v, dout)
+
+
+def test_backward_kernel_is_dispatched_for_the_bwd_problem(monkeypatch):
+    from sparktune import dispatch
+
+    seen = []
+    real_select = dispatch.select
+
+    def select(problem, device, **kw):
+        seen.append((problem.op, kw))
+        return real_select(problem, device, **kw)
+
+    monkeypatch.setattr(dispatch, "select", select)
+    q, k, v = qkv(requires_grad=True)
+    sparktune.attention(q, k, v).sum().backward()
+    sparktune.attention(q, k, v, backend="reference", config="float64").sum().backward()
+    assert seen == [
+        ("fwd", {"backend": None, "config": None}),
+        ("bwd", {}),
+        ("fwd", {"backend": "reference", "config": "float64"}),
+        ("bwd", {"backend": "reference", "config": "float64"}),  # the forced choice holds
+    ]
+
+
 def test_only_requested_grads_and_lse_not_differentiable():
     q, k, v = qkv()
     k.requires_grad_()
