@@ -100,4 +100,5 @@ class DeviceInfo:
             sm_count=props.multi_processor_count,
             driver=driver,
             cuda=str(torch.version.cuda or ""),
+            extra={"index": index},
         )

@@ -1,0 +1,224 @@
+"""The ``spark`` backend: sparktune's compiled CUDA/CuTe kernel family (``sparktune._C``).
+
+Every compiled kernel is one configuration; its name (``fwd_sm80_f16_d128_m128n64_w4x1_acc32_preg``)
+is the config name everywhere. The kernel facts (family, tile, threads, shared memory) come from
+the compiled module, whose traits derived them, so nothing here repeats which tiles fit.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from .base import Backend
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..problem import DeviceInfo, Problem
+
+__all__ = ["SparkBackend", "load_extension"]
+
+_DTYPE_TAGS = {"float16": "f16", "bfloat16": "bf16"}
+
+
+@functools.lru_cache(maxsize=1)
+def load_extension() -> tuple[Any, str | None]:
+    """(module, None) when ``sparktune._C`` imports, else (None, reason)."""
+    try:
+        from .. import _C  # type: ignore[attr-defined]
+    except ImportError as exc:
+        return None, f"the compiled extension sparktune._C is not installed ({exc})"
+    return _C, None
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_optin(device_index: int) -> int:
+    import torch
+
+    props = torch.cuda.get_device_properties(device_index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
+
+
+def _device_index_for(device: DeviceInfo) -> int | None:
+    idx = device.extra.get("index") if device.extra else None
+    return int(idx) if idx is not None else None
+
+
+class SparkBackend(Backend):
+    name = "spark"
+
+    # Heuristic defaults per (family, head_dim): (block_m, block_n, warps_m). The m16n8k16
+    # entries follow FlashAttention-2's choices on A100/H100-class GPUs (tiles that keep
+    # O, S and the operand slices within 255 registers); the Volta entries are a model from
+    # its 96 KB of shared memory, not a measurement. The tuner replaces them per shape.
+    _DEFAULTS = {
+        (80, 32): (128, 128, 4),
+        (80, 64): (128, 64, 4),
+        (80, 96): (128, 64, 4),
+        (80, 128): (128, 64, 4),
+        (80, 256): (64, 64, 4),
+        (70, 32): (64, 64, 2),
+        (70, 64): (64, 64, 2),
+        (70, 96): (64, 64, 2),
+        (70, 128): (64, 32, 2),
+    }
+
+    def __init__(self) -> None:
+        self._kernels: dict[str, dict[str, Any]] | None = None
+
+    # ---- catalogue ----
+    def _catalogue(self) -> dict[str, dict[str, Any]]:
+        if self._kernels is None:
+            mod, _ = load_extension()
+            self._kernels = {k["name"]: k for k in mod.kernels()} if mod is not None else {}
+        return self._kernels
+
+    def build_info(self) -> dict[str, Any] | None:
+        mod, _ = load_extension()
+        return mod.build_info() if mod is not None else None
+
+    def kernel_info(self, config: str) -> dict[str, Any]:
+        return self._catalogue()[config]
+
+    def unavailable_reasons(self) -> list[str]:
+        mod, err = load_extension()
+        if mod is None:
+            return [err or "sparktune._C missing"]
+        if not self._catalogue():
+            return ["the extension was built with no kernels (SPARKTUNE_KERNELS filter matched none)"]
+        import torch
+
+        if not torch.cuda.is_available():
+            return ["no CUDA GPU visible to torch"]
+        return []
+
+    def configs(self, op: str = "fwd") -> Sequence[str]:
+        return [n for n, k in self._catalogue().items() if k["op"] == op]
+
+    # ---- capabilities ----
+    def _config_reasons(self, problem: Problem, k: dict[str, Any], device: DeviceInfo | None) -> list[str]:
+        reasons = []
+        if k["dtype"] != problem.dtype:
+            reasons.append(f"built for {k['dtype']}, not {problem.dtype}")
+        if k["head_dim"] != problem.head_dim:
+            reasons.append(f"built for head_dim {k['head_dim']}, not {problem.head_dim}")
+        if k["accum"] == 16 and not problem.allow_fp16_accum:
+            reasons.append("accumulates in fp16, which the caller did not allow (allow_fp16_accum=False)")
+        if device is not None:
+            archs = (self.build_info() or {}).get("archs", [])
+            if device.arch < k["min_arch"]:
+                reasons.append(f"needs sm_{k['min_arch']} or later, the GPU is sm_{device.arch}")
+            elif device.arch not in archs:
+                reasons.append(
+                    f"not compiled for sm_{device.arch} (built for {', '.join(f'sm_{a}' for a in archs)};"
+                    f" rebuild with SPARKTUNE_CUDA_ARCHS={device.arch})"
+                )
+            idx = _device_index_for(device)
+            if idx is not None:
+                limit = _smem_optin(idx)
+                if limit and k["smem_bytes"] > limit:
+                    reasons.append(f"needs {k['smem_bytes']} bytes of shared memory, the GPU allows {limit}")
+        return reasons
+
+    def not_supported_reasons(
+        self, problem: Problem, config: str | None = None, device: DeviceInfo | None = None
+    ) -> list[str]:
+        head = self.unavailable_reasons()
+        if head:
+            return head
+        if device is None:
+            return ["needs CUDA tensors (the inputs are on the CPU)"]
+        if problem.op != "fwd":
+            return [f"no {problem.op} kernels in the spark family yet"]
+        cat = self._catalogue()
+        if config is not None:
+            if config not in cat:
+                return [f"unknown spark kernel {config!r} (not compiled; `sparktune info` lists them)"]
+            return self._config_reasons(problem, cat[config], device)
+        fwd = [k for k in cat.values() if k["op"] == problem.op]
+        if not any(k["dtype"] == problem.dtype for k in fwd):
+            return [f"no compiled kernel for {problem.dtype}"]
+        dims = sorted({k["head_dim"] for k in fwd if k["dtype"] == problem.dtype})
+        if problem.head_dim not in dims:
+            return [f"no compiled kernel for head_dim {problem.head_dim} (compiled: {dims})"]
+        per = [self._config_reasons(problem, k, device) for k in fwd]
+        if all(per):
+            uniq = sorted({r for rs in per for r in rs})
+            return ["no compiled kernel fits: " + "; ".join(uniq)]
+        return []
+
+    def _emulated(self, k: dict[str, Any], device: DeviceInfo | None) -> bool:
+        """Volta's m8n8k4 family runs on sm_80+ only emulated (tens of times slower): it is run
+        there when forced by name (tests), never offered to the tuner or picked by default."""
+        return device is not None and k["family"] == 70 and device.arch >= 80
+
+    def candidates(self, problem: Problem, device: DeviceInfo | None = None):
+        cands = super().candidates(problem, device)
+        cat = self._catalogue()
+        return [c for c in cands if not self._emulated(cat[c.config], device)]
+
+    def default_config(self, problem: Problem, device: DeviceInfo | None = None) -> str | None:
+        cands = self.candidates(problem, device)
+        if not cands:
+            return None
+        cat = self._catalogue()
+        family = 70 if device is not None and device.arch < 80 else 80
+        want = self._DEFAULTS.get((family, problem.head_dim))
+
+        def score(name: str) -> tuple:
+            k = cat[name]
+            exact = want is not None and (k["block_m"], k["block_n"], k["warps_m"]) == want
+            return (
+                not exact,
+                k["family"] != family,
+                k["accum"] != 32,  # fp32 accumulation unless only fp16 is compiled
+                k["softmax"] != "reg",
+                k["warps_n"] != 1,
+                -k["block_m"],
+                -k["block_n"],
+                name,
+            )
+
+        return min((c.config for c in cands), key=score)
+
+    # ---- running ----
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        config: str,
+        causal: bool,
+        scale: float,
+        need_lse: bool = True,
+    ) -> torch.Tensor | None:
+        import torch
+
+        mod, err = load_extension()
+        if mod is None:
+            raise RuntimeError(err)
+        b, hq, nq, d = q.shape
+        hk, nk = k.shape[1], k.shape[2]
+        for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+            if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]):
+                raise ValueError(
+                    f"spark kernels need 16-byte aligned rows: {name}'s data pointer and its batch, "
+                    f"head and row strides must be multiples of 8 elements (strides {tuple(t.stride())})"
+                )
+        lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        if not (scale > 0 and math.isfinite(scale)):
+            raise ValueError(f"scale must be a finite positive number, got {scale!r}")
+        with torch.cuda.device(q.device):
+            mod.fwd(
+                config, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                b, hq, hk, nq, nk, d,
+                q.stride()[:3], k.stride()[:3], v.stride()[:3], out.stride()[:3],
+                float(scale), bool(causal), stream,
+            )
+        return lse
