@@ -224,14 +224,15 @@ class ReferenceBackend(Backend):
         self, problem: Problem, config: str | None = None, device: DeviceInfo | None = None
     ) -> list[str]:
         if config is not None and config not in _COMPUTE_DTYPES:
-            return [f"unknown config {config!r}; reference configs: {', '.join(self._configs)}"]
+            return [self._unknown(config)]
         return []
+
+    def _unknown(self, config: str) -> str:
+        return f"unknown config {config!r}; reference configs: {', '.join(self._configs)}"
 
     def _dtype(self, config: str) -> torch.dtype:
         if config not in _COMPUTE_DTYPES:
-            raise ValueError(
-                f"unknown config {config!r}; reference configs: {', '.join(self._configs)}"
-            )
+            raise ValueError(self._unknown(config))
         return _COMPUTE_DTYPES[config]
 
     def forward(

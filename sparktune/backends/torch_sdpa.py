@@ -139,9 +139,13 @@ def _prepare(config: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t if _aligned(t) else t.clone(memory_format=torch.contiguous_format) for t in tensors]
 
 
+def _unknown_config(config: str) -> str:
+    return f"unknown config {config!r}; torch configs: {', '.join(CONFIGS)}"
+
+
 def _reasons(problem: Problem, config: str, device: DeviceInfo | None) -> list[str]:
     if config not in CONFIGS:
-        return [f"unknown config {config!r}; torch configs: {', '.join(CONFIGS)}"]
+        return [_unknown_config(config)]
     reasons = list(_config_unavailable(config))
     if reasons or config == "math":
         return reasons
@@ -226,7 +230,7 @@ class TorchSDPABackend(Backend):
     @staticmethod
     def _check_config(config: str) -> None:
         if config not in CONFIGS:
-            raise ValueError(f"unknown config {config!r}; torch configs: {', '.join(CONFIGS)}")
+            raise ValueError(_unknown_config(config))
 
     @staticmethod
     def _sdpa(
