@@ -300,6 +300,8 @@ def heuristic_default(
         b = registered[name]
         try:
             reasons = b.unavailable_reasons() or b.not_supported_reasons(problem, None, device)
+            if not reasons and problem.op == "bwd" and type(b).backward is Backend.backward:
+                reasons = ["no backward"]
             cfg = None if reasons else b.default_config(problem, device)
         except Exception as exc:  # noqa: BLE001
             reasons, cfg = [f"raised {type(exc).__name__}: {exc}"], None
