@@ -1,0 +1,158 @@
+"""Timing harnesses. The tuner takes any object with ``measure(fn, candidate=, problem=)``:
+:class:`CudaEventTimer` on the GPU, :class:`CostTimer` where the costs are known in advance
+(tests of the tuner itself, dry runs of a recipe)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from ..backends.base import Candidate
+    from ..problem import Problem
+
+__all__ = ["CostTimer", "CudaEventTimer", "Timer", "Timing"]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Times of the runs of one candidate, in milliseconds."""
+
+    times_ms: tuple[float, ...]
+
+    @classmethod
+    def of(cls, times: list[float] | tuple[float, ...]) -> Timing:
+        if not times:
+            raise ValueError("a timing needs at least one run")
+        return cls(tuple(float(t) for t in times))
+
+    @property
+    def runs(self) -> int:
+        return len(self.times_ms)
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.times_ms)
+
+    @property
+    def min_ms(self) -> float:
+        return min(self.times_ms)
+
+    @property
+    def max_ms(self) -> float:
+        return max(self.times_ms)
+
+    @property
+    def quartiles_ms(self) -> tuple[float, float]:
+        if len(self.times_ms) < 2:
+            return self.times_ms[0], self.times_ms[0]
+        q1, _, q3 = statistics.quantiles(self.times_ms, n=4, method="inclusive")
+        return q1, q3
+
+    @property
+    def rel_iqr(self) -> float:
+        """Interquartile range over the median: the spread the shared GPU left."""
+        q1, q3 = self.quartiles_ms
+        med = self.median_ms
+        return (q3 - q1) / med if med > 0 else 0.0
+
+
+class Timer(Protocol):
+    def measure(self, fn: Callable[[], object], *, candidate: Candidate | None, problem: Problem) -> Timing:
+        """Run ``fn`` (one launch of the candidate on prepared inputs) and time it."""
+        ...
+
+
+class CudaEventTimer:
+    """CUDA-event timing with the L2 cache flushed before every run.
+
+    A few runs estimate the cost; then warm-up for about ``warmup_ms``, then enough runs to
+    fill about ``rep_ms`` (at least ``min_runs``, at most ``max_runs``); when the runs'
+    interquartile range exceeds ``max_rel_iqr`` of the median, as many runs again are added
+    once. Each run: zero a buffer twice the size of L2 (outside the timed region), record the
+    start event, launch, record the end event; one synchronisation at the end.
+    """
+
+    def __init__(
+        self,
+        *,
+        warmup_ms: float = 25.0,
+        rep_ms: float = 100.0,
+        min_runs: int = 10,
+        max_runs: int = 500,
+        max_rel_iqr: float = 0.02,
+        flush_l2: bool = True,
+        device: object = None,
+    ) -> None:
+        self.warmup_ms = warmup_ms
+        self.rep_ms = rep_ms
+        self.min_runs = min_runs
+        self.max_runs = max_runs
+        self.max_rel_iqr = max_rel_iqr
+        self.flush_l2 = flush_l2
+        self.device = device
+        self._flush_buf = None
+
+    def _flush(self) -> Callable[[], object]:
+        import torch
+
+        if not self.flush_l2:
+            return lambda: None
+        if self._flush_buf is None:
+            dev = torch.device(self.device if self.device is not None else "cuda")
+            l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or (64 << 20)
+            self._flush_buf = torch.empty(2 * l2, dtype=torch.int8, device=dev)
+        return self._flush_buf.zero_
+
+    def _runs(self, fn: Callable[[], object], n: int) -> list[float]:
+        import torch
+
+        flush = self._flush()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        for s, e in zip(starts, ends, strict=True):
+            flush()
+            s.record()
+            fn()
+            e.record()
+        ends[-1].synchronize()
+        return [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
+
+    def measure(self, fn: Callable[[], object], *, candidate: Candidate | None = None, problem: Problem | None = None) -> Timing:
+        import torch
+
+        torch.cuda.synchronize()
+        estimate = max(statistics.median(self._runs(fn, 3)), 1e-4)
+        for _ in range(max(1, min(self.max_runs, math.ceil(self.warmup_ms / estimate)))):
+            fn()
+        n = max(self.min_runs, min(self.max_runs, math.ceil(self.rep_ms / estimate)))
+        times = self._runs(fn, n)
+        timing = Timing.of(times)
+        if timing.rel_iqr > self.max_rel_iqr and 2 * n <= self.max_runs:
+            timing = Timing.of(times + self._runs(fn, n))
+        return timing
+
+
+class CostTimer:
+    """Reports known costs instead of measuring: ``cost(candidate, problem)`` gives the time in
+    ms (None: the candidate cannot be timed, an error). ``fn`` still runs once, so a candidate
+    that raises fails exactly as it would on the GPU. The runs are spread by ``jitter`` around
+    the cost, deterministically."""
+
+    def __init__(self, cost: Callable[[Candidate | None, Problem], float | None], *, runs: int = 5, jitter: float = 0.01) -> None:
+        self.cost = cost
+        self.runs = runs
+        self.jitter = jitter
+        self.calls: list[str] = []
+
+    def measure(self, fn: Callable[[], object], *, candidate: Candidate | None = None, problem: Problem) -> Timing:
+        fn()
+        ms = self.cost(candidate, problem)
+        self.calls.append(candidate.label if candidate is not None else "<baseline>")
+        if ms is None:
+            raise RuntimeError(f"no known cost for {candidate.label if candidate else 'the baseline'}")
+        half = max(1, self.runs // 2)
+        return Timing.of([ms * (1 + self.jitter * (i - half) / half) for i in range(self.runs)])

@@ -1,0 +1,500 @@
+"""The tuner: one Optuna study per problem over the candidates that can run it.
+
+Candidates are filtered by ``not_supported_reasons`` before Optuna sees them. The heuristic
+default is enqueued first. When the space fits the trial budget every candidate is enqueued
+(exhaustive); otherwise TPE chooses after the default. Each trial checks the candidate against
+the reference first (a wrong kernel is pruned, its error recorded), then times it; a candidate
+that raises is recorded as failed and the study goes on. Every measured candidate is stored.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..backends.base import Backend, Candidate
+from ..problem import DeviceInfo, Problem
+from ._timing import Timer, Timing
+
+if TYPE_CHECKING:
+    from ..db import Record, Store
+
+__all__ = [
+    "BASELINE",
+    "DEFAULT_TRIALS",
+    "Measurement",
+    "TuneAborted",
+    "TuneResult",
+    "Tuner",
+    "tunable_candidates",
+]
+
+log = logging.getLogger(__name__)
+
+#: trials per problem when neither the caller nor a recipe says
+DEFAULT_TRIALS = 100
+#: the pseudo-candidate a timer is given for PyTorch's default SDPA
+BASELINE = Candidate("sdpa", "default")
+#: messages stored for failed candidates are cut to this length
+_MAX_MESSAGE = 2000
+
+
+class TuneAborted(RuntimeError):
+    """Tuning cannot go on (e.g. a candidate left the CUDA context unusable)."""
+
+
+@dataclass
+class Measurement:
+    """What one candidate did on one problem."""
+
+    candidate: Candidate
+    status: str  # "ok", "wrong" or "failed"
+    timing: Timing | None = None
+    tflops: float | None = None
+    error: float | None = None
+    error_limit: float | None = None
+    message: str = ""
+    trial: int | None = None
+
+    @property
+    def median_ms(self) -> float | None:
+        return self.timing.median_ms if self.timing is not None else None
+
+
+@dataclass
+class TuneResult:
+    problem: Problem
+    device: DeviceInfo
+    build_id: str
+    measurements: list[Measurement] = field(default_factory=list)
+    baseline: Timing | None = None
+    #: "exhaustive", "tpe" or "none" (no candidate)
+    mode: str = "none"
+    study_name: str = ""
+    trials: int = 0
+    wall_s: float = 0.0
+    #: backend -> why it offered no candidate
+    excluded: dict[str, list[str]] = field(default_factory=dict)
+    #: why the study stopped before its budget ("" when it did not)
+    stopped: str = ""
+
+    def ranked(self) -> list[Measurement]:
+        ok = [m for m in self.measurements if m.status == "ok" and m.timing is not None]
+        return sorted(ok, key=lambda m: (m.timing.median_ms, m.candidate.label))  # type: ignore[union-attr]
+
+    @property
+    def best(self) -> Measurement | None:
+        r = self.ranked()
+        return r[0] if r else None
+
+    def speedup(self, m: Measurement) -> float | None:
+        if self.baseline is None or m.timing is None:
+            return None
+        return self.baseline.median_ms / m.timing.median_ms
+
+    def to_json(self) -> dict[str, Any]:
+        from ..db import problem_key
+
+        def entry(m: Measurement) -> dict[str, Any]:
+            t = m.timing
+            q1, q3 = t.quartiles_ms if t else (None, None)
+            return {
+                "candidate": m.candidate.label,
+                "backend": m.candidate.backend,
+                "config": m.candidate.config,
+                "status": m.status,
+                "median_ms": t.median_ms if t else None,
+                "min_ms": t.min_ms if t else None,
+                "q1_ms": q1,
+                "q3_ms": q3,
+                "max_ms": t.max_ms if t else None,
+                "runs": t.runs if t else 0,
+                "tflops": m.tflops,
+                "speedup_vs_sdpa": self.speedup(m),
+                "error": m.error,
+                "error_limit": m.error_limit,
+                "message": m.message,
+            }
+
+        best = self.best
+        return {
+            "key": problem_key(self.problem),
+            "problem": self.problem.as_dict(),
+            "device": {
+                "name": self.device.name,
+                "capability": list(self.device.capability),
+                "sm_count": self.device.sm_count,
+                "driver": self.device.driver,
+                "cuda": self.device.cuda,
+            },
+            "build_id": self.build_id,
+            "mode": self.mode,
+            "study": self.study_name,
+            "trials": self.trials,
+            "wall_s": round(self.wall_s, 3),
+            "stopped": self.stopped,
+            "baseline_sdpa_ms": self.baseline.median_ms if self.baseline else None,
+            "best": entry(best) if best else None,
+            "candidates": [entry(m) for m in self.ranked()]
+            + [entry(m) for m in self.measurements if m.status != "ok"],
+            "excluded": self.excluded,
+        }
+
+
+def _registered() -> dict[str, Backend]:
+    from ..registry import backends
+
+    return backends()
+
+
+def tunable_candidates(
+    problem: Problem,
+    device: DeviceInfo | None,
+    *,
+    only: Sequence[str] | None = None,
+    exclude: Sequence[str] = (),
+) -> tuple[list[Candidate], dict[str, list[str]]]:
+    """Every candidate of every tunable backend that can run ``problem`` on ``device``, and for
+    each backend that offers none, why. ``only`` keeps the named backends; ``exclude`` drops
+    candidates whose label matches one of the glob patterns (e.g. ``"spark:*_acc16"``)."""
+    cands: list[Candidate] = []
+    excluded: dict[str, list[str]] = {}
+    for name, b in _registered().items():
+        if only is not None and name not in only:
+            continue
+        if not b.tunable:
+            continue
+        try:
+            reasons = list(b.unavailable_reasons())
+            if not reasons and problem.op == "bwd" and type(b).backward is Backend.backward:
+                reasons = ["no backward"]
+            found = [] if reasons else b.candidates(problem, device)
+        except Exception as exc:  # noqa: BLE001 - a broken backend is reported, not fatal
+            reasons, found = [f"listing candidates raised {type(exc).__name__}: {exc}"], []
+        found = [c for c in found if not any(fnmatch.fnmatchcase(c.label, pat) for pat in exclude)]
+        if not found and not reasons:
+            reasons = ["no configuration supports this problem"]
+        if reasons:
+            excluded[name] = reasons
+        cands.extend(found)
+    return cands, excluded
+
+
+def _short(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text if len(text) <= _MAX_MESSAGE else text[: _MAX_MESSAGE - 3] + "..."
+
+
+def _library_version() -> str:
+    try:
+        from .. import __version__
+
+        return str(__version__)
+    except Exception:  # noqa: BLE001
+        return ""
+
+
+def _optuna_storage(url: Any) -> Any:
+    """None (in memory) or an RDB storage on ``url`` sharing the tuning database."""
+    if url is None:
+        return None
+    import optuna
+
+    from ..db import resolve_url
+
+    resolved = resolve_url(url)
+    kwargs: dict[str, Any] = {}
+    if resolved.get_backend_name() == "sqlite":
+        kwargs["connect_args"] = {"timeout": 60}
+    return optuna.storages.RDBStorage(resolved.render_as_string(hide_password=False), engine_kwargs=kwargs)
+
+
+def _is_optuna_storage(obj: Any) -> bool:
+    import optuna
+
+    return isinstance(obj, optuna.storages.BaseStorage)
+
+
+#: callback(result so far, the newest measurement, trials done, trials planned)
+ProgressFn = Callable[[TuneResult, Measurement, int, int], None]
+
+
+class Tuner:
+    """Tunes problems on one device.
+
+    ``device``/``torch_device``: the fingerprint records are keyed on, and where tensors live
+    (on a GPU: ``DeviceInfo.from_torch()`` and ``"cuda"``). ``timer``: a :class:`CudaEventTimer`
+    by default. ``trials``/``timeout`` (seconds): the budget of one problem. ``storage``: an
+    Optuna storage URL (the tuning database's, so optuna-dashboard shows the studies) or None
+    for in-memory studies. ``store``: where the records go (None: nowhere).
+    """
+
+    def __init__(
+        self,
+        *,
+        device: DeviceInfo,
+        torch_device: Any = "cuda",
+        timer: Timer | None = None,
+        store: Store | None = None,
+        trials: int | None = None,
+        timeout: float | None = None,
+        storage: Any = None,
+        backends: Sequence[str] | None = None,
+        exclude: Sequence[str] = (),
+        seed: int = 0,
+        baseline: bool = True,
+        progress: ProgressFn | None = None,
+    ) -> None:
+        if timer is None:
+            from ._timing import CudaEventTimer
+
+            timer = CudaEventTimer(device=torch_device)
+        self.device = device
+        self.torch_device = torch_device
+        self.timer = timer
+        self.store = store
+        self.trials = trials if trials is not None else DEFAULT_TRIALS
+        if self.trials < 1:
+            raise ValueError(f"trials must be at least 1, got {self.trials}")
+        self.timeout = timeout
+        self.storage = _optuna_storage(storage) if storage is not None and not _is_optuna_storage(storage) else storage
+        self.backends = list(backends) if backends is not None else None
+        self.exclude = list(exclude)
+        self.seed = seed
+        self.baseline = baseline
+        self.progress = progress
+
+    # ------------------------------------------------------------------ planning
+
+    def candidates(self, problem: Problem) -> tuple[list[Candidate], dict[str, list[str]]]:
+        return tunable_candidates(problem, self.device, only=self.backends, exclude=self.exclude)
+
+    def plan(self, problem: Problem) -> tuple[list[Candidate], str, int]:
+        """(candidates in trial order, mode, trials): the heuristic default first; exhaustive
+        when every candidate fits the budget."""
+        from ..dispatch import NoKernelError, heuristic_default
+
+        cands, _ = self.candidates(problem)
+        try:
+            default = heuristic_default(problem, self.device).candidate
+        except NoKernelError:
+            default = None
+        if default in cands:
+            cands.remove(default)
+            cands.insert(0, default)
+        if not cands:
+            return [], "none", 0
+        if len(cands) <= self.trials:
+            return cands, "exhaustive", len(cands)
+        return cands, "tpe", self.trials
+
+    def _study_name(self, problem: Problem, cands: list[Candidate]) -> str:
+        from ..db import problem_key
+        from ..dispatch import build_id
+
+        space = hashlib.sha1("\n".join(sorted(c.label for c in cands)).encode()).hexdigest()[:10]
+        d = self.device
+        return f"sparktune/{problem_key(problem)}/{d.name} sm_{d.arch}/{build_id()}/{space}"
+
+    # ------------------------------------------------------------------ one candidate
+
+    def _cuda_alive(self) -> str:
+        import torch
+
+        if torch.device(self.torch_device).type != "cuda":
+            return ""
+        try:
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001
+            return _short(exc)
+        return ""
+
+    def _evaluate(self, workload: Any, cand: Candidate, trial_number: int) -> Measurement:
+        import torch
+
+        backend = _registered().get(cand.backend)
+        if backend is None:
+            return Measurement(cand, "failed", message=f"backend {cand.backend!r} is no longer registered")
+        try:
+            fn, outs = workload.launch(backend, cand, workload.check_inputs(), fill=float("nan"))
+            with torch.no_grad():
+                fn()
+            if torch.device(self.torch_device).type == "cuda":
+                torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - a failing candidate is a result
+            return Measurement(cand, "failed", message=f"while checking: {_short(exc)}")
+        result = workload.check(outs)
+        if not result.ok:
+            return Measurement(cand, "wrong", error=result.error, error_limit=result.limit, message=result.message)
+        del outs
+        try:
+            fresh = workload.inputs(self.seed + 1 + trial_number)
+            fn, _ = workload.launch(backend, cand, fresh)
+            with torch.no_grad():
+                timing = self.timer.measure(fn, candidate=cand, problem=workload.problem)
+        except Exception as exc:  # noqa: BLE001
+            return Measurement(cand, "failed", error=result.error, error_limit=result.limit, message=f"while timing: {_short(exc)}")
+        tflops = workload.problem.flops() / (timing.median_ms * 1e-3) / 1e12
+        return Measurement(cand, "ok", timing, tflops, result.error, result.limit)
+
+    def _baseline(self, workload: Any) -> Timing | None:
+        import torch
+
+        try:
+            fn = workload.sdpa_baseline(workload.inputs(self.seed + 10_000))
+            with torch.no_grad() if workload.problem.op == "fwd" else torch.enable_grad():
+                return self.timer.measure(fn, candidate=BASELINE, problem=workload.problem)
+        except Exception as exc:  # noqa: BLE001 - the baseline is informative only
+            log.info("sparktune: PyTorch SDPA baseline not timed for %s: %s", workload.problem, _short(exc))
+            return None
+
+    # ------------------------------------------------------------------ one problem
+
+    def tune(self, problem: Problem) -> TuneResult:
+        import optuna
+        from optuna.distributions import CategoricalDistribution
+        from optuna.trial import TrialState
+
+        from ..dispatch import build_id
+        from ._workload import Workload
+
+        start = time.monotonic()
+        result = TuneResult(problem, self.device, build_id())
+        order, mode, planned = self.plan(problem)
+        result.excluded = self.candidates(problem)[1]
+        result.mode = mode
+        if not order:
+            result.stopped = "no candidate can run this problem"
+            return result
+        labels = {c.label: c for c in order}
+        dist = CategoricalDistribution(sorted(labels))
+        result.study_name = self._study_name(problem, order)
+        sampler = (
+            optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=min(10, max(1, planned // 4)))
+            if mode == "tpe"
+            else optuna.samplers.RandomSampler(seed=self.seed)
+        )
+        study = optuna.create_study(
+            storage=self.storage,
+            study_name=result.study_name,
+            direction="minimize",
+            sampler=sampler,
+            load_if_exists=True,
+        )
+        for c in order if mode == "exhaustive" else order[:1]:
+            study.enqueue_trial({"candidate": c.label})
+
+        workload = Workload(problem, self.torch_device, seed=self.seed)
+        deadline = start + self.timeout if self.timeout is not None else None
+        measured: dict[str, Measurement] = {}
+        asks = 0
+        max_asks = planned if mode == "tpe" else 2 * planned
+        try:
+            while asks < max_asks:
+                if mode == "exhaustive" and len(measured) == len(order):
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    result.stopped = f"timeout of {self.timeout:g} s reached"
+                    break
+                trial = study.ask({"candidate": dist})
+                asks += 1
+                label = trial.params["candidate"]
+                m = measured.get(label)
+                fresh = m is None
+                try:
+                    if m is None:
+                        m = self._evaluate(workload, labels[label], trial.number)
+                        m.trial = trial.number
+                        measured[label] = m
+                        result.measurements.append(m)
+                    self._tell(study, trial, m, TrialState)
+                except BaseException:
+                    study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+                    raise
+                if fresh and self.progress is not None:
+                    self.progress(result, m, len(measured), planned)
+                if m.status == "failed":
+                    broken = self._cuda_alive()
+                    if broken:
+                        raise TuneAborted(
+                            f"the CUDA context is unusable after {label} failed ({broken}); the "
+                            f"results so far are saved; tune again with --exclude '{label}'"
+                        )
+        finally:
+            result.trials = asks
+            if self.baseline and result.ranked():
+                result.baseline = self._baseline(workload)
+            result.wall_s = time.monotonic() - start
+            self._save(result)
+        return result
+
+    @staticmethod
+    def _tell(study: Any, trial: Any, m: Measurement, TrialState: Any) -> None:  # noqa: N803
+        trial.set_user_attr("status", m.status)
+        if m.error is not None:
+            trial.set_user_attr("error", m.error)
+            trial.set_user_attr("error_limit", m.error_limit)
+        if m.message:
+            trial.set_user_attr("message", m.message)
+        if m.status == "ok":
+            assert m.timing is not None
+            trial.set_user_attr("tflops", m.tflops)
+            trial.set_user_attr("runs", m.timing.runs)
+            study.tell(trial, m.timing.median_ms)
+        elif m.status == "wrong":
+            study.tell(trial, state=TrialState.PRUNED)
+        else:
+            study.tell(trial, state=TrialState.FAIL)
+
+    # ------------------------------------------------------------------ storing
+
+    def records(self, result: TuneResult) -> list[Record]:
+        import torch
+
+        from ..db import Record, now_utc
+
+        when = now_utc()
+        out = []
+        for m in result.measurements:
+            t = m.timing
+            q1, q3 = t.quartiles_ms if t else (None, None)
+            out.append(
+                Record(
+                    problem=result.problem,
+                    device=result.device,
+                    build_id=result.build_id,
+                    backend=m.candidate.backend,
+                    config=m.candidate.config,
+                    status=m.status,
+                    median_ms=t.median_ms if t else None,
+                    min_ms=t.min_ms if t else None,
+                    max_ms=t.max_ms if t else None,
+                    q1_ms=q1,
+                    q3_ms=q3,
+                    runs=t.runs if t else 0,
+                    tflops=m.tflops,
+                    error=m.error if m.error is None or m.error != float("inf") else None,
+                    error_limit=m.error_limit,
+                    message=m.message,
+                    measured_at=when,
+                    version=_library_version(),
+                    torch_version=str(torch.__version__),
+                )
+            )
+        return out
+
+    def _save(self, result: TuneResult) -> None:
+        if self.store is None or not result.measurements:
+            return
+        self.store.add(self.records(result))
+        from .. import dispatch
+
+        dispatch.reload()
+
+    def tune_many(self, problems: Iterable[Problem]) -> list[TuneResult]:
+        return [self.tune(p) for p in problems]

@@ -1,0 +1,272 @@
+"""Inputs of one problem, the launch of a candidate on them, and the reference check.
+
+The check is FlashAttention-2's rule: a candidate's max abs error against attention in float64
+on the same inputs must be at most :data:`ERROR_FACTOR` times PyTorch's own error in the input
+precision (the plain matmul-softmax-matmul, every intermediate rounded to the dtype), plus
+:data:`ERROR_FLOOR`. Forward checks the output and the log-sum-exp; backward checks dq, dk
+and dv. Outputs are filled with NaN before the launch, so a kernel that leaves part of them
+unwritten fails.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..backends.reference import reference_attention, reference_attention_backward
+
+if TYPE_CHECKING:
+    from ..backends.base import Backend, Candidate
+    from ..problem import Problem
+
+__all__ = [
+    "ERROR_FACTOR",
+    "ERROR_FLOOR",
+    "FP16_ACCUM_FACTOR",
+    "CheckResult",
+    "Workload",
+    "lowp_attention",
+]
+
+#: a candidate may be this many times less accurate than PyTorch in the same precision
+ERROR_FACTOR = 2.0
+#: absolute slack for outputs PyTorch happens to compute (almost) exactly
+ERROR_FLOOR = 1e-5
+#: extra allowance where the caller allowed FP16 accumulation (allow_fp16_accum=True)
+FP16_ACCUM_FACTOR = 4.0
+#: elements of one score block of the low-precision baseline
+_TILE_ELEMENTS = 1 << 24
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _tiles(pairs: int, group: int, nq: int, nk: int) -> list[tuple[slice, slice]]:
+    per_pair = group * nq * nk
+    if per_pair <= _TILE_ELEMENTS:
+        step = max(1, _TILE_ELEMENTS // per_pair)
+        return [(slice(p, p + step), slice(0, nq)) for p in range(0, pairs, step)]
+    rows = max(1, _TILE_ELEMENTS // (group * nk))
+    return [(slice(p, p + 1), slice(r, r + rows)) for p in range(pairs) for r in range(0, nq, rows)]
+
+
+def lowp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    dout: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """PyTorch attention in the inputs' precision (scores, probabilities and output rounded to
+    the dtype; softmax computed in float32), tile by tile. Returns (out, lse) with the
+    float32 log-sum-exp of the rounded scores or, with ``dout``, (dq, dk, dv)."""
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    g = hq // hkv
+    qp = q.unflatten(1, (hkv, g)).flatten(0, 1)  # (pairs, g, nq, d)
+    kp, vp = k.flatten(0, 1), v.flatten(0, 1)  # (pairs, nk, d)
+    dop = dout.unflatten(1, (hkv, g)).flatten(0, 1) if dout is not None else None
+    out = torch.empty_like(qp)
+    lse = torch.empty(qp.shape[:-1], dtype=torch.float32, device=q.device)
+    if dop is not None:
+        dq = torch.empty_like(qp)
+        dk = torch.zeros(kp.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(vp.shape, dtype=torch.float32, device=k.device)
+    for ps, rs in _tiles(qp.shape[0], g, nq, nk):
+        leaves = [qp[ps, :, rs], kp[ps], vp[ps]]
+        if dop is not None:
+            leaves = [t.detach().requires_grad_() for t in leaves]
+        with torch.set_grad_enabled(dop is not None):
+            qt, kt, vt = leaves
+            s = torch.matmul(qt, kt.unsqueeze(1).transpose(-1, -2)) * scale
+            sf = s.float()
+            if causal:
+                i = torch.arange(rs.start, rs.start + qt.shape[2], device=q.device)
+                j = torch.arange(nk, device=q.device)
+                sf = sf.masked_fill(j[None, :] > i[:, None] + (nk - nq), -math.inf)
+            m = sf.detach().amax(-1, keepdim=True)
+            m = torch.where(m == -math.inf, 0.0, m)
+            e = torch.exp(sf - m)
+            den = e.sum(-1, keepdim=True)
+            p = (e / torch.where(den == 0, 1.0, den)).to(q.dtype)
+            o = torch.matmul(p, vt.unsqueeze(1))
+            if dop is None:
+                out[ps, :, rs] = o
+                lse[ps, :, rs] = (torch.log(den) + m).squeeze(-1)
+                continue
+            gq, gk, gv = torch.autograd.grad(o, leaves, dop[ps, :, rs])
+        dq[ps, :, rs] = gq
+        dk[ps] += gk.float()
+        dv[ps] += gv.float()
+    if dop is None:
+        return out.unflatten(0, (b, hkv)).flatten(1, 2), lse.unflatten(0, (b, hkv)).flatten(1, 2)
+    return (
+        dq.unflatten(0, (b, hkv)).flatten(1, 2),
+        dk.to(k.dtype).unflatten(0, (b, hkv)),
+        dv.to(v.dtype).unflatten(0, (b, hkv)),
+    )
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    ok: bool
+    #: max abs error of the worst output (relative to its bound)
+    error: float
+    #: the bound of that output
+    limit: float
+    #: which output
+    what: str
+    message: str = ""
+
+
+def _max_abs_err(a: torch.Tensor, ref: torch.Tensor, finite_mask: torch.Tensor | None = None) -> float:
+    diff = a.double() - ref
+    if finite_mask is not None:
+        diff = diff[finite_mask]
+    if diff.numel() == 0:
+        return 0.0
+    err = diff.abs().max().item()
+    return math.inf if math.isnan(err) else err
+
+
+class Workload:
+    """Random inputs of one problem on one torch device, candidate launches on them, and
+    (lazily) the reference check."""
+
+    def __init__(self, problem: Problem, device: torch.device | str, *, seed: int = 0) -> None:
+        self.problem = problem
+        self.device = torch.device(device)
+        self.dtype = _DTYPES[problem.dtype]
+        self.scale = 1.0 / math.sqrt(problem.head_dim)
+        self.seed = seed
+        self._check_inputs: dict[str, torch.Tensor] | None = None
+        self._refs: dict[str, tuple[torch.Tensor, float, torch.Tensor | None]] | None = None
+
+    # ------------------------------------------------------------------ inputs
+
+    def inputs(self, seed: int) -> dict[str, torch.Tensor]:
+        """Fresh q, k, v (and dout, out, lse for backward), (B, H, N, D) contiguous."""
+        p = self.problem
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+
+        def randn(*shape: int) -> torch.Tensor:
+            return torch.randn(shape, generator=gen, device=self.device, dtype=self.dtype)
+
+        t = {
+            "q": randn(p.batch, p.heads_q, p.seqlen_q, p.head_dim),
+            "k": randn(p.batch, p.heads_kv, p.seqlen_k, p.head_dim),
+            "v": randn(p.batch, p.heads_kv, p.seqlen_k, p.head_dim),
+        }
+        if p.op == "bwd":
+            t["dout"] = randn(p.batch, p.heads_q, p.seqlen_q, p.head_dim)
+            out, lse = reference_attention(t["q"], t["k"], t["v"], p.causal, self.scale, torch.float32)
+            t["out"] = out.to(self.dtype)
+            t["lse"] = lse.float()
+        return t
+
+    # ------------------------------------------------------------------ launches
+
+    def launch(self, backend: Backend, cand: Candidate, t: dict[str, torch.Tensor], *, fill: float | None = None) -> tuple[Callable[[], object], dict[str, torch.Tensor]]:
+        """(fn, outputs): ``fn()`` runs the candidate once on ``t`` writing into ``outputs``
+        (pre-filled with ``fill`` when given); forward also stores the returned lse."""
+        p = self.problem
+
+        def alloc(like: torch.Tensor) -> torch.Tensor:
+            return torch.full_like(like, fill) if fill is not None else torch.empty_like(like)
+
+        if p.op == "fwd":
+            outs = {"out": alloc(t["q"])}
+
+            def fwd() -> object:
+                lse = backend.forward(
+                    t["q"], t["k"], t["v"], outs["out"], config=cand.config, causal=p.causal, scale=self.scale, need_lse=True
+                )
+                if lse is None:
+                    raise RuntimeError(f"{cand.label} returned no log-sum-exp with need_lse=True")
+                outs["lse"] = lse
+                return lse
+
+            return fwd, outs
+        outs = {"dq": alloc(t["q"]), "dk": alloc(t["k"]), "dv": alloc(t["v"])}
+
+        def bwd() -> object:
+            backend.backward(
+                t["dout"], t["q"], t["k"], t["v"], t["out"], t["lse"], outs["dq"], outs["dk"], outs["dv"],
+                config=cand.config, causal=p.causal, scale=self.scale,
+            )
+            return None
+
+        return bwd, outs
+
+    def sdpa_baseline(self, t: dict[str, torch.Tensor]) -> Callable[[], object]:
+        """PyTorch's default SDPA (its own backend choice) on the same inputs. Its causal mask
+        is aligned top-left; for seqlen_q != seqlen_k that is a timing figure only."""
+        import torch.nn.functional as F
+
+        p = self.problem
+        kw = {"is_causal": p.causal, "scale": self.scale}
+        if p.group_size > 1:
+            kw["enable_gqa"] = True
+        if p.op == "fwd":
+            return lambda: F.scaled_dot_product_attention(t["q"], t["k"], t["v"], **kw)
+        leaves = [t[n].detach().requires_grad_() for n in ("q", "k", "v")]
+        out = F.scaled_dot_product_attention(*leaves, **kw)
+        return lambda: torch.autograd.grad(out, leaves, t["dout"], retain_graph=True)
+
+    # ------------------------------------------------------------------ the check
+
+    def check_inputs(self) -> dict[str, torch.Tensor]:
+        if self._check_inputs is None:
+            self._check_inputs = self.inputs(self.seed)
+        return self._check_inputs
+
+    def _references(self) -> dict[str, tuple[torch.Tensor, float, torch.Tensor | None]]:
+        """output name -> (float64 reference, bound, mask of entries to compare or None)."""
+        if self._refs is not None:
+            return self._refs
+        p, t = self.problem, self.check_inputs()
+        factor = ERROR_FACTOR * (FP16_ACCUM_FACTOR if p.allow_fp16_accum else 1.0)
+        refs: dict[str, tuple[torch.Tensor, float, torch.Tensor | None]] = {}
+        with torch.no_grad():
+            if p.op == "fwd":
+                out64, lse64 = reference_attention(t["q"], t["k"], t["v"], p.causal, self.scale, torch.float64)
+                low, lse_low = lowp_attention(t["q"], t["k"], t["v"], causal=p.causal, scale=self.scale)
+                refs["out"] = (out64, factor * _max_abs_err(low, out64) + ERROR_FLOOR, None)
+                finite = torch.isfinite(lse64)
+                refs["lse"] = (lse64, factor * _max_abs_err(lse_low, lse64, finite) + ERROR_FLOOR, finite)
+            else:
+                grads64 = reference_attention_backward(t["dout"], t["q"], t["k"], t["v"], p.causal, self.scale, torch.float64)
+                lows = lowp_attention(t["q"], t["k"], t["v"], causal=p.causal, scale=self.scale, dout=t["dout"])
+                for name, ref, low in zip(("dq", "dk", "dv"), grads64, lows, strict=True):
+                    refs[name] = (ref, factor * _max_abs_err(low, ref) + ERROR_FLOOR, None)
+        self._refs = refs
+        return refs
+
+    def check(self, outputs: dict[str, torch.Tensor]) -> CheckResult:
+        """Compare a candidate's outputs (from :meth:`launch` on :meth:`check_inputs`)."""
+        worst: CheckResult | None = None
+        for name, (ref, bound, mask) in self._references().items():
+            got = outputs.get(name)
+            if got is None:
+                return CheckResult(False, math.inf, bound, name, f"no {name} produced")
+            if tuple(got.shape) != tuple(ref.shape):
+                return CheckResult(False, math.inf, bound, name, f"{name} has shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
+            if mask is not None and not torch.equal(torch.isfinite(got), mask):
+                return CheckResult(False, math.inf, bound, name, f"{name}: rows with no visible key must be -inf, others finite")
+            err = _max_abs_err(got, ref, mask)
+            r = CheckResult(err <= bound, err, bound, name)
+            if worst is None or (err / bound if bound else math.inf) > (worst.error / worst.limit if worst.limit else math.inf):
+                worst = r
+        assert worst is not None
+        if not worst.ok:
+            return CheckResult(
+                False, worst.error, worst.limit, worst.what,
+                f"{worst.what}: max abs error {worst.error:.3g} exceeds the bound {worst.limit:.3g} "
+                f"({ERROR_FACTOR:g}x PyTorch's own {self.problem.dtype} error + {ERROR_FLOOR:g})",
+            )
+        return worst
