@@ -271,6 +271,10 @@ class Store:
 
 def open_error_text(exc: BaseException) -> str:
     """One line describing why a store could not be used (no traceback, no password)."""
+    from ._schema import SchemaError
+
+    if isinstance(exc, (SchemaError, StoreMissingError)):
+        return str(exc)
     if isinstance(exc, DBAPIError) and exc.orig is not None:
         return f"{type(exc.orig).__name__}: {str(exc.orig).strip().splitlines()[0]}"
     text = str(exc).strip().splitlines()

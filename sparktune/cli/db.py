@@ -1,0 +1,331 @@
+"""``sparktune db``: list, show, export, import and upgrade the tuning database."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["add_parser"]
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "db",
+        help="inspect and move tuning records",
+        description="Inspect and move tuning records. The database is --db URL, else "
+        "$SPARKTUNE_DB, else a SQLite file in the user's cache directory; the read-only files "
+        "shipped in tuning_db/ are a layer under it.",
+    )
+    sub = p.add_subparsers(dest="db_command", metavar="ACTION")
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--db", metavar="URL", help="database URL or SQLite path")
+
+    ls = sub.add_parser("list", help="the best record of every tuned problem")
+    common(ls)
+    ls.add_argument("--json", action="store_true", help="JSON output")
+    ls.add_argument("--all", action="store_true", help="every measured candidate, not only the best")
+    ls.add_argument("--no-shipped", action="store_true", help="leave out the shipped tuning_db/ files")
+    ls.set_defaults(func=_list)
+
+    show = sub.add_parser("show", help="every record of the given problems")
+    common(show)
+    show.add_argument(
+        "keys",
+        nargs="+",
+        metavar="KEY",
+        help="a problem key as `db list` prints it (fwd:float16:b1:h12/12:n8192/8192:d128:full:acc32) "
+        "or FIELD=VALUE filters (seqlen_q=8192 backend=spark)",
+    )
+    show.add_argument("--json", action="store_true", help="JSON Lines output")
+    show.add_argument("--no-shipped", action="store_true", help="leave out the shipped tuning_db/ files")
+    show.set_defaults(func=_show)
+
+    exp = sub.add_parser("export", help="write records as JSON Lines (schema: tuning_db/README.md)")
+    common(exp)
+    exp.add_argument("file", nargs="?", help="output file (default: standard output)")
+    exp.add_argument("--include-shipped", action="store_true", help="also export the shipped records")
+    exp.set_defaults(func=_export)
+
+    imp = sub.add_parser("import", help="read JSON Lines records, validated")
+    common(imp)
+    imp.add_argument("file", help="a JSON Lines file as `db export` writes it")
+    imp.add_argument(
+        "--skip-invalid",
+        action="store_true",
+        help="import the valid lines and skip the others (default: refuse the whole file)",
+    )
+    imp.add_argument(
+        "--no-kernel-check",
+        action="store_true",
+        help="accept backends and kernels unknown in this installation",
+    )
+    imp.set_defaults(func=_import)
+
+    up = sub.add_parser("upgrade", help="create the database or upgrade its schema")
+    common(up)
+    up.set_defaults(func=_upgrade)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"sparktune db: {message}", file=sys.stderr)
+    return code
+
+
+def _open(args: argparse.Namespace, *, create: bool = False) -> Any:
+    """The store, or an int exit code after a one-line error."""
+    from ..db import Store, StoreMissingError, open_error_text, safe_url
+
+    try:
+        return Store(args.db, create=create)
+    except StoreMissingError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - one line, no traceback, no password
+        return _fail(f"cannot open {safe_url(args.db)}: {open_error_text(exc)}")
+
+
+def _all_records(args: argparse.Namespace, *, shipped: bool) -> tuple[list[Any], str] | int:
+    from ..db import load_shipped, safe_url
+
+    store = _open(args)
+    if isinstance(store, int):
+        return store
+    records: list[Any] = []
+    where = safe_url(args.db)
+    if store is not None:
+        with store:
+            records = store.records()
+            where = f"{store.display_url} (schema {store.version})"
+    else:
+        where += " (not created yet)"
+    if shipped:
+        recs, bad = load_shipped()
+        for e in bad:
+            print(f"sparktune db: warning: {e}", file=sys.stderr)
+        records.extend(recs)
+    return records, where
+
+
+def _fmt(x: float | None, spec: str = ".4g") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def _device_text(r: Any) -> str:
+    from ..db import device_label
+
+    return device_label(r.device)
+
+
+# --------------------------------------------------------------------------- actions
+
+
+def _list(args: argparse.Namespace) -> int:
+    from ..db import problem_key, rank, record_to_json
+
+    got = _all_records(args, shipped=not args.no_shipped)
+    if isinstance(got, int):
+        return got
+    records, where = got
+    if args.all:
+        chosen = sorted(records, key=lambda r: (problem_key(r.problem), _device_text(r), r.build_id, r.measured_at))
+        counts = None
+    else:
+        groups: dict[tuple, list[Any]] = {}
+        for r in records:
+            groups.setdefault((r.device.name, r.device.capability, r.device.sm_count, r.build_id, r.source), []).append(r)
+        chosen, counts = [], {}
+        for recs in groups.values():
+            for problem, ranked in rank(recs).items():
+                best = ranked[0]
+                chosen.append(best)
+                counts[best.uid] = (len(ranked), sum(1 for r in recs if r.problem == problem))
+        chosen.sort(key=lambda r: (problem_key(r.problem), _device_text(r), r.build_id, r.source))
+    if args.json:
+        out = []
+        for r in chosen:
+            obj = record_to_json(r)
+            obj["key"] = problem_key(r.problem)
+            obj["source"] = r.source
+            if counts is not None:
+                obj["usable_candidates"], obj["measured"] = counts[r.uid]
+            out.append(obj)
+        print(json.dumps({"database": where, "records": out}, indent=2))
+        return 0
+    print(f"database: {where}")
+    if not chosen:
+        print("no tuning records" + (" (tune with `sparktune tune`)" if not records else " usable"))
+        return 0
+    header = ["key", "device", "build", "best" if counts is not None else "candidate", "status", "median ms", "TFLOP/s", "source"]
+    if counts is not None:
+        header.insert(6, "usable/measured")
+    rows = []
+    for r in chosen:
+        row = [problem_key(r.problem), _device_text(r), r.build_id, r.label, r.status, _fmt(r.median_ms), _fmt(r.tflops, ".1f"), r.source]
+        if counts is not None:
+            row.insert(6, "{}/{}".format(*counts[r.uid]))
+        rows.append(row)
+    print(_table(rows, header))
+    return 0
+
+
+def _matches(r: Any, keys: Iterable[str]) -> bool | str:
+    """Whether ``r`` matches any KEY argument; a str is an error message."""
+    from ..db import parse_problem_key, record_to_json
+
+    flat: dict[str, Any] | None = None
+    for key in keys:
+        if "=" not in key:
+            try:
+                if r.problem == parse_problem_key(key):
+                    return True
+            except ValueError as e:
+                return str(e)
+            continue
+        if flat is None:
+            j = record_to_json(r)
+            flat = {**j["problem"], **{f"device_{k}": v for k, v in j["device"].items()}, **j}
+            flat["device"] = r.device.name
+        ok = True
+        for cond in key.split(","):
+            name, _, want = cond.partition("=")
+            if name not in flat or isinstance(flat[name], dict):
+                return f"unknown field {name!r} in {key!r}"
+            have = flat[name]
+            text = ("true" if have else "false") if isinstance(have, bool) else str(have)
+            if text.lower() != want.lower():
+                ok = False
+                break
+        if ok:
+            return True
+    return False
+
+
+def _show(args: argparse.Namespace) -> int:
+    from ..db import problem_key, record_to_json
+
+    got = _all_records(args, shipped=not args.no_shipped)
+    if isinstance(got, int):
+        return got
+    records, where = got
+    hits = []
+    for r in records:
+        m = _matches(r, args.keys)
+        if isinstance(m, str):
+            return _fail(m)
+        if m:
+            hits.append(r)
+    if not hits:
+        return _fail(f"no records match {' '.join(args.keys)} in {where}", 1)
+    hits.sort(key=lambda r: (problem_key(r.problem), _device_text(r), r.build_id, r.status != "ok", r.median_ms or 0.0))
+    if args.json:
+        for r in hits:
+            obj = record_to_json(r)
+            obj["source"] = r.source
+            print(json.dumps(obj))
+        return 0
+    print(f"database: {where}")
+    group = None
+    rows: list[list[str]] = []
+    header = ["candidate", "status", "median ms", "q1-q3 ms", "runs", "TFLOP/s", "error/bound", "measured", "host", "message"]
+
+    def flush() -> None:
+        if rows:
+            print(_table(rows, header))
+            rows.clear()
+
+    for r in hits:
+        g = (problem_key(r.problem), _device_text(r), r.build_id, r.source)
+        if g != group:
+            flush()
+            group = g
+            print(f"\n{g[0]}  on {g[1]} (driver {r.device.driver or '?'}, CUDA {r.device.cuda or '?'}), build {g[2]}, from {g[3]}")
+        spread = f"{_fmt(r.q1_ms)}-{_fmt(r.q3_ms)}" if r.q1_ms is not None else "-"
+        err = f"{_fmt(r.error, '.2g')}/{_fmt(r.error_limit, '.2g')}" if r.error is not None else "-"
+        rows.append([
+            r.label, r.status, _fmt(r.median_ms), spread, str(r.runs), _fmt(r.tflops, ".1f"), err,
+            f"{r.measured_at:%Y-%m-%d %H:%M}", r.host, (r.message[:60] + "...") if len(r.message) > 63 else r.message,
+        ])
+    flush()
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from ..db import write_jsonl
+
+    got = _all_records(args, shipped=args.include_shipped)
+    if isinstance(got, int):
+        return got
+    records, _ = got
+    if args.file in (None, "-"):
+        write_jsonl(records, sys.stdout)
+        return 0
+    tmp = f"{args.file}.partial"
+    try:
+        with open(tmp, "w", encoding="utf-8") as fp:
+            n = write_jsonl(records, fp)
+        import os
+
+        os.replace(tmp, args.file)
+    except OSError as e:
+        return _fail(f"cannot write {args.file}: {e.strerror or e}")
+    print(f"exported {n} record(s) to {args.file}", file=sys.stderr)
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from ..db import import_jsonl, registry_kernel_check
+
+    store = _open(args, create=True)
+    if isinstance(store, int):
+        return store
+    check = None if args.no_kernel_check else registry_kernel_check()
+    with store:
+        try:
+            report = import_jsonl(store, args.file, skip_invalid=args.skip_invalid, check=check)
+        except OSError as e:
+            return _fail(f"cannot read {args.file}: {e.strerror or e}")
+        where = store.display_url
+    for e in report.errors:
+        print(f"{e}", file=sys.stderr)
+    if report.refused:
+        return _fail(
+            f"{len(report.errors)} invalid line(s) in {args.file}; nothing imported "
+            "(fix them, or pass --skip-invalid to import the valid lines)",
+            1,
+        )
+    print(
+        f"imported {report.added} record(s) into {where}; {report.duplicates} already there"
+        + (f", {report.skipped} invalid line(s) skipped" if report.skipped else "")
+    )
+    return 0
+
+
+def _upgrade(args: argparse.Namespace) -> int:
+    from ..db import Store, open_error_text, safe_url
+
+    try:
+        before, after = Store.upgrade_database(args.db)
+    except Exception as exc:  # noqa: BLE001
+        return _fail(f"cannot upgrade {safe_url(args.db)}: {open_error_text(exc)}")
+    where = safe_url(args.db)
+    if before is None:
+        print(f"created {where} at schema version {after}")
+    elif before == after:
+        print(f"{where} is already at schema version {after}")
+    else:
+        print(f"upgraded {where} from schema version {before} to {after}")
+    return 0

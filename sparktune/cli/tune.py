@@ -1,0 +1,241 @@
+"""``sparktune tune``: measure every candidate for problem shapes and keep the results."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+__all__ = ["add_parser", "problems_from_args", "run"]
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "tune",
+        help="tune kernels for a problem shape (or a recipe) on this GPU",
+        description="Measure every kernel that can run the problem on this GPU (checked against "
+        "the reference first), store every measurement, and show the best. Dispatch uses the "
+        "winners from then on.",
+    )
+    shape = p.add_argument_group("problem (ignored with --recipe)")
+    shape.add_argument("--seqlen", type=int, metavar="N", help="query sequence length (required without --recipe)")
+    shape.add_argument("--seqlen-k", type=int, metavar="N", help="key/value sequence length (default: --seqlen)")
+    shape.add_argument("--batch", type=int, default=1, metavar="N", help="batch size (default 1)")
+    shape.add_argument("--heads", type=int, metavar="N", help="query heads (required without --recipe)")
+    shape.add_argument("--heads-kv", type=int, metavar="N", help="key/value heads, for GQA (default: --heads)")
+    shape.add_argument("--head-dim", type=int, default=128, metavar="D", help="head dimension (default 128)")
+    shape.add_argument("--causal", action=argparse.BooleanOptionalAction, default=False, help="causal mask (default off)")
+    shape.add_argument("--dtype", default="float16", help="float16 (fp16) or bfloat16 (bf16); default float16")
+    shape.add_argument("--op", choices=("fwd", "bwd", "both"), default="both", help="forward, backward or both (default)")
+    shape.add_argument(
+        "--allow-fp16-accum", action="store_true", help="also tune kernels that accumulate in float16 (less accurate)"
+    )
+    p.add_argument("--recipe", metavar="FILE", help="tune the shapes of a recipe (YAML, see recipes/)")
+    budget = p.add_argument_group("budget (per problem and op)")
+    budget.add_argument("--trials", type=int, metavar="N", help="trials (default: the recipe's, else 100); every "
+                        "candidate is measured when they fit, TPE chooses otherwise")
+    budget.add_argument("--timeout", type=float, metavar="SECONDS", help="stop a study after this long")
+    p.add_argument("--db", metavar="URL", help="tuning database URL or SQLite path (default: $SPARKTUNE_DB or the user cache)")
+    p.add_argument(
+        "--optuna-storage",
+        choices=("db", "memory"),
+        default="db",
+        help="keep the Optuna studies in the tuning database (default; optuna-dashboard can show them) or in memory",
+    )
+    p.add_argument("--backend", action="append", metavar="NAME", help="tune only this backend (repeatable)")
+    p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
+                   help="skip candidates whose backend:config matches this glob (repeatable)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs and of TPE")
+    p.add_argument("--top", type=int, default=5, metavar="N", help="candidates shown per problem (default 5)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_main)
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"sparktune tune: {message}", file=sys.stderr)
+    return code
+
+
+def problems_from_args(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
+    """(problems, budget and filters from the recipe) for the parsed arguments; raises
+    ValueError or RecipeError with a message for the user."""
+    from ..problem import Problem
+    from ..tune import DTYPE_ALIASES, load_recipe
+
+    if args.recipe:
+        recipe = load_recipe(args.recipe)
+        return list(recipe.problems), {
+            "trials": recipe.trials,
+            "timeout": recipe.timeout,
+            "backends": recipe.backends,
+            "name": recipe.name,
+        }
+    missing = [f"--{n}" for n in ("seqlen", "heads") if getattr(args, n) is None]
+    if missing:
+        raise ValueError(f"{' and '.join(missing)} required (or --recipe FILE)")
+    dtype = DTYPE_ALIASES.get(args.dtype.lower())
+    if dtype is None:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPE_ALIASES)}, got {args.dtype!r}")
+    ops = ("fwd", "bwd") if args.op == "both" else (args.op,)
+    problems = [
+        Problem(
+            op=op,
+            dtype=dtype,
+            batch=args.batch,
+            heads_q=args.heads,
+            heads_kv=args.heads_kv or args.heads,
+            seqlen_q=args.seqlen,
+            seqlen_k=args.seqlen_k or args.seqlen,
+            head_dim=args.head_dim,
+            causal=args.causal,
+            allow_fp16_accum=args.allow_fp16_accum,
+        )
+        for op in ops
+    ]
+    return problems, {}
+
+
+def _main(args: argparse.Namespace) -> int:
+    from ..tune import RecipeError
+
+    try:
+        problems, extra = problems_from_args(args)
+    except RecipeError as e:
+        print(str(e), file=sys.stderr)
+        return _fail(f"invalid recipe ({len(e.issues)} error(s))")
+    except ValueError as e:
+        return _fail(str(e))
+    import torch
+
+    if not torch.cuda.is_available():
+        return _fail("no CUDA GPU is available (torch.cuda.is_available() is False); tuning measures kernels on the GPU they will run on")
+    from ..problem import DeviceInfo
+
+    return run(args, problems, extra, device=DeviceInfo.from_torch("cuda"), torch_device="cuda")
+
+
+def run(
+    args: argparse.Namespace,
+    problems: list[Any],
+    extra: dict[str, Any],
+    *,
+    device: Any,
+    torch_device: Any,
+    timer: Any = None,
+) -> int:
+    """Tune ``problems`` and report; the GPU path and the tests both come through here."""
+    import optuna
+
+    from ..db import Store, open_error_text, safe_url
+    from ..tune import TuneAborted, Tuner
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        store = Store(args.db)
+    except Exception as exc:  # noqa: BLE001 - one line, no traceback, no password
+        return _fail(f"cannot open the tuning database {safe_url(args.db)}: {open_error_text(exc)}")
+    trials = args.trials if args.trials is not None else extra.get("trials")
+    timeout = args.timeout if args.timeout is not None else extra.get("timeout")
+    backends = args.backend or extra.get("backends")
+    try:
+        tuner = Tuner(
+            device=device,
+            torch_device=torch_device,
+            timer=timer,
+            store=store,
+            trials=trials,
+            timeout=timeout,
+            storage=store.url if args.optuna_storage == "db" else None,
+            backends=backends,
+            exclude=args.exclude,
+            seed=args.seed,
+        )
+    except ValueError as e:
+        store.close()
+        return _fail(str(e))
+    plans = [tuner.plan(p) for p in problems]
+    total = sum(n for _, _, n in plans)
+    bar = _progress_bar(total, disable=args.no_progress or not sys.stderr.isatty())
+    results = []
+    start = time.monotonic()
+    code = 0
+
+    def on_trial(result: Any, m: Any, done: int, planned: int) -> None:
+        if bar is None:
+            return
+        best = result.best
+        bar.set_description(f"{result.problem.op} n{result.problem.seqlen_q} d{result.problem.head_dim}", refresh=False)
+        bar.set_postfix_str(f"best {best.candidate.label} {best.timing.median_ms:.4g} ms" if best else "", refresh=False)
+        bar.update(1)
+
+    tuner.progress = on_trial
+    try:
+        for problem in problems:
+            results.append(tuner.tune(problem))
+    except TuneAborted as e:
+        code = _fail(str(e), 1)
+    except KeyboardInterrupt:
+        code = _fail("interrupted; the finished measurements are saved", 130)
+    finally:
+        if bar is not None:
+            bar.close()
+        where = store.display_url
+        store.close()
+    wall = time.monotonic() - start
+    if args.json:
+        print(json.dumps({"database": where, "wall_s": round(wall, 3), "results": [r.to_json() for r in results]}, indent=2))
+    else:
+        for r in results:
+            print(_report(r, args.top))
+        print(f"\n{len(results)} problem(s) tuned in {wall:.1f} s; records in {where}")
+    if code == 0 and any(r.best is None for r in results):
+        code = 1
+    return code
+
+
+def _progress_bar(total: int, *, disable: bool) -> Any:
+    if disable or total == 0:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="trial", file=sys.stderr, dynamic_ncols=True, leave=False)
+
+
+def _report(r: Any, top: int) -> str:
+    from ..db import problem_key
+
+    head = f"\n{problem_key(r.problem)}  ({r.mode}, {r.trials} trials, {r.wall_s:.1f} s"
+    head += f"; PyTorch SDPA default {r.baseline.median_ms:.4g} ms)" if r.baseline else ")"
+    lines = [head]
+    if r.stopped:
+        lines.append(f"  stopped: {r.stopped}")
+    ranked = r.ranked()
+    if not ranked:
+        lines.append("  no candidate passed the reference check and ran")
+    else:
+        rows = []
+        for i, m in enumerate(ranked[:top], 1):
+            t = m.timing
+            q1, q3 = t.quartiles_ms
+            sp = r.speedup(m)
+            rows.append([
+                str(i), m.candidate.label, f"{t.median_ms:.4g}", f"{q1:.4g}-{q3:.4g}", f"{m.tflops:.1f}",
+                f"{sp:.2f}x" if sp is not None else "-", f"{m.error:.2g}" if m.error is not None else "-",
+            ])
+        header = ["#", "candidate", "median ms", "q1-q3 ms", "TFLOP/s", "vs SDPA", "error"]
+        widths = [max(len(h), *(len(x[i]) for x in rows)) for i, h in enumerate(header)]
+        lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip())
+        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(x, widths, strict=True)).rstrip() for x in rows]
+        if len(ranked) > top:
+            lines.append(f"  ... {len(ranked) - top} more passed (sparktune db show {problem_key(r.problem)})")
+    bad = [m for m in r.measurements if m.status != "ok"]
+    for m in bad:
+        lines.append(f"  {m.status}: {m.candidate.label}: {m.message}")
+    for name, reasons in r.excluded.items():
+        lines.append(f"  not a candidate: {name}: {'; '.join(reasons)[:200]}")
+    return "\n".join(lines)
