@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main"]
 
-SUBCOMMANDS: tuple[str, ...] = ("info",)
+SUBCOMMANDS: tuple[str, ...] = ("info", "tune", "db")
 
 
 def _broken(name: str, error: str):
