@@ -81,7 +81,7 @@ _memo: dict[tuple[Problem, DeviceInfo | None, str | None, str | None], Selection
 _tables: dict[tuple[str, tuple[int, int], int, str], _Table] = {}
 _counts: dict[str, int] = dict.fromkeys(SOURCES, 0)
 #: the database dispatch reads: set by configure(); None means $SPARKTUNE_DB or the default
-_db_url: str | None = None
+_db_url: Any = None
 _warned: set[str] = set()
 
 
@@ -91,12 +91,12 @@ def _warn_once(key: str, message: str) -> None:
         log.warning("%s", message)
 
 
-def configure(db: str | None = None) -> None:
+def configure(db: Any = None) -> None:
     """Read the tuning records from ``db`` (a SQLAlchemy URL or a SQLite path; None:
     ``$SPARKTUNE_DB`` or the default file) from now on, and forget what was read."""
     global _db_url
     with _lock:
-        _db_url = os.fspath(db) if db is not None else None
+        _db_url = os.fspath(db) if isinstance(db, os.PathLike) else db
         _reset_state()
 
 

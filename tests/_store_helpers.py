@@ -51,3 +51,64 @@ def record(p: Problem | None = None, *, backend="knowncost", config="fast", medi
         status=status,
         **values,
     )
+
+
+# --------------------------------------------------------------------------- the known-cost plugin
+
+PLUGIN_DIR = __import__("pathlib").Path(__file__).resolve().parent / "plugin_pkg"
+
+
+def plugin_module():
+    """The test plugin's module, importable without installing it."""
+    import sys
+
+    if str(PLUGIN_DIR) not in sys.path:
+        sys.path.insert(0, str(PLUGIN_DIR))
+    import sparktune_testplugin
+
+    return sparktune_testplugin
+
+
+def known_cost(candidate, problem):
+    """Cost function for ``CostTimer``: the plugin's known costs; torch's math backend is
+    slower than every plugin config that works."""
+    tp = plugin_module()
+    if candidate is None or candidate.label == "sdpa:default":
+        return tp.cost_ms("sdpa:default", problem)
+    if candidate.backend == "torch":
+        return 10.0 * problem.flops() / 1e9
+    return tp.cost_ms(candidate.config, problem)
+
+
+class registered_plugin:
+    """Context manager: the known-cost backend registered in this process, a fresh dispatch
+    state reading ``db`` and no shipped layer."""
+
+    def __init__(self, db=None):
+        self.db = db
+
+    def __enter__(self):
+        import os
+
+        from sparktune import dispatch, registry
+
+        self._env = os.environ.get("SPARKTUNE_SHIPPED_DB")
+        os.environ["SPARKTUNE_SHIPPED_DB"] = ""
+        self.backend = plugin_module().KnownCostBackend()
+        registry.register_backend(self.backend, replace=True)
+        dispatch.configure(self.db)
+        dispatch.reset_counters()
+        return self.backend
+
+    def __exit__(self, *exc):
+        import os
+
+        from sparktune import dispatch, registry
+
+        registry.unregister_backend("knowncost")
+        dispatch.configure(None)
+        dispatch.reset_counters()
+        if self._env is None:
+            os.environ.pop("SPARKTUNE_SHIPPED_DB", None)
+        else:
+            os.environ["SPARKTUNE_SHIPPED_DB"] = self._env

@@ -346,8 +346,9 @@ class Tuner:
         import torch
 
         try:
-            fn = workload.sdpa_baseline(workload.inputs(self.seed + 10_000))
-            with torch.no_grad() if workload.problem.op == "fwd" else torch.enable_grad():
+            inputs = workload.inputs(self.seed + 10_000)
+            with torch.enable_grad():  # the backward baseline differentiates SDPA's forward
+                fn = workload.sdpa_baseline(inputs)
                 return self.timer.measure(fn, candidate=BASELINE, problem=workload.problem)
         except Exception as exc:  # noqa: BLE001 - the baseline is informative only
             log.info("sparktune: PyTorch SDPA baseline not timed for %s: %s", workload.problem, _short(exc))

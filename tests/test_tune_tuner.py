@@ -1,0 +1,157 @@
+"""The tuner on the CPU with the known-cost plugin: it picks the fastest correct kernel, prunes
+wrong ones, records failures and keeps going, stores every measurement."""
+
+from __future__ import annotations
+
+import json
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from sparktune import dispatch
+from sparktune.backends.base import Candidate
+from sparktune.db import Store
+from sparktune.tune import CostTimer, Tuner
+from tests._store_helpers import DEVICE, known_cost, problem, registered_plugin
+
+# small shapes: the reference check runs on the CPU
+SMALL = {"batch": 1, "heads_q": 2, "heads_kv": 2, "seqlen_q": 64, "seqlen_k": 64, "head_dim": 64}
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(tmp_path / "tune.sqlite3")
+    with registered_plugin(s.url) as backend:
+        s.backend = backend
+        yield s
+    s.close()
+
+
+def _tuner(store, **kw):
+    kw.setdefault("backends", ["knowncost"])
+    return Tuner(device=DEVICE, torch_device="cpu", timer=CostTimer(known_cost), store=store, **kw)
+
+
+def test_picks_fastest_correct_and_records_everything(store):
+    p = problem(**SMALL)
+    result = _tuner(store).tune(p)
+    assert result.mode == "exhaustive"
+    assert result.best.candidate == Candidate("knowncost", "d64only")
+    by = {m.candidate.config: m for m in result.measurements}
+    # the cheapest kernel is wrong: pruned with its error, never the winner
+    assert by["wrong"].status == "wrong"
+    assert by["wrong"].error > by["wrong"].error_limit
+    assert "exceeds the bound" in by["wrong"].message
+    # the crashing kernel is a failure with its message; the study went on
+    assert by["crash"].status == "failed"
+    assert "crashed, as designed" in by["crash"].message
+    assert {m.status for m in result.measurements} == {"ok", "wrong", "failed"}
+    assert len(result.measurements) == 7
+    ranked = [m.candidate.config for m in result.ranked()]
+    assert ranked == ["d64only", "fast", "medium", "slow", "long"]
+    assert result.speedup(result.best) == pytest.approx(6.0)
+    assert result.best.tflops == pytest.approx(p.flops() / (result.best.median_ms * 1e-3) / 1e12)
+    json.dumps(result.to_json())  # serialisable
+    stored = store.records(problem=p)
+    assert sorted(r.config for r in stored) == sorted(by)
+    assert {r.config: r.status for r in stored} == {c: m.status for c, m in by.items()}
+    ok = next(r for r in stored if r.config == "fast")
+    assert ok.runs == 5 and ok.q1_ms < ok.median_ms < ok.q3_ms and ok.error_limit > ok.error
+    # dispatch sees the winner at once (the tuner reloads it)
+    sel = dispatch.select(p, DEVICE)
+    assert (sel.candidate, sel.source) == (Candidate("knowncost", "d64only"), "tuned")
+
+
+def test_unsupported_candidates_are_filtered_before_optuna(store):
+    p = problem(**{**SMALL, "head_dim": 32})
+    tuner = _tuner(store)
+    order, mode, planned = tuner.plan(p)
+    assert "knowncost:d64only" not in {c.label for c in order}
+    result = tuner.tune(p)
+    assert "d64only" not in {m.candidate.config for m in result.measurements}
+    assert result.best.candidate.config == "fast"
+
+
+def test_default_is_enqueued_first_and_tpe_when_over_budget(store):
+    p = problem(**SMALL)
+    tuner = _tuner(store, backends=None, trials=4)
+    default = dispatch.heuristic_default(p, DEVICE).candidate
+    order, mode, planned = tuner.plan(p)
+    assert order[0] == default and mode == "tpe" and planned == 4
+    result = tuner.tune(p)
+    assert result.trials == 4
+    first = min(result.measurements, key=lambda m: m.trial)
+    assert first.candidate == default and first.trial == 0
+
+
+def test_exhaustive_covers_every_backend(store):
+    p = problem(**SMALL)
+    result = _tuner(store, backends=None).tune(p)
+    labels = {m.candidate.label for m in result.measurements}
+    assert "torch:math" in labels and "knowncost:fast" in labels
+    assert "reference" in result.excluded or not any(lb.startswith("reference:") for lb in labels)
+    assert result.best.candidate.config == "d64only"
+
+
+def test_long_sequences_pick_the_other_kernel(store):
+    p = problem(**{**SMALL, "seqlen_q": 32, "seqlen_k": 1024, "head_dim": 32})
+    assert _tuner(store).tune(p).best.candidate.config == "long"
+
+
+def test_backward_candidates_have_a_backward(store):
+    p = problem(**{**SMALL, "op": "bwd"})
+    result = _tuner(store).tune(p)
+    assert {m.candidate.config for m in result.measurements} == {"bwd_fast", "bwd_slow", "bwd_wrong"}
+    assert result.best.candidate.config == "bwd_fast"
+    wrong = next(m for m in result.measurements if m.candidate.config == "bwd_wrong")
+    assert wrong.status == "wrong" and wrong.message.startswith("dq:")
+
+
+def test_optuna_study_lives_in_the_same_database(store):
+    p = problem(**SMALL)
+    result = _tuner(store, storage=store.url).tune(p)
+    storage = optuna.storages.RDBStorage(str(store.url.render_as_string(hide_password=False)))
+    study = optuna.load_study(study_name=result.study_name, storage=storage)
+    states = {t.params["candidate"]: t.state for t in study.trials}
+    assert states["knowncost:wrong"] == TrialState.PRUNED
+    assert states["knowncost:crash"] == TrialState.FAIL
+    assert states["knowncost:fast"] == TrialState.COMPLETE
+    assert study.best_trial.params["candidate"] == "knowncost:d64only"
+    crash = next(t for t in study.trials if t.params["candidate"] == "knowncost:crash")
+    assert "crashed" in crash.user_attrs["message"]
+    # the records are in the same file
+    assert len(store.records(problem=p)) == 7
+
+
+def test_timeout_stops_the_study(store):
+    result = _tuner(store, timeout=0).tune(problem(**SMALL))
+    assert result.trials == 0 and "timeout" in result.stopped and result.best is None
+
+
+def test_excluded_patterns_and_broken_backend(store, monkeypatch):
+    p = problem(**SMALL)
+    tuner = _tuner(store, exclude=["knowncost:d64*", "*:wrong"])
+    labels = {c.label for c in tuner.plan(p)[0]}
+    assert "knowncost:d64only" not in labels and "knowncost:wrong" not in labels
+
+    def boom(*a, **k):
+        raise RuntimeError("listing failed")
+
+    monkeypatch.setattr(store.backend, "candidates", boom)
+    cands, excluded = tuner.candidates(p)
+    assert cands == [] and "listing failed" in excluded["knowncost"][0]
+    result = tuner.tune(p)
+    assert result.mode == "none" and result.best is None
+
+
+def test_no_store_no_records(store):
+    result = Tuner(device=DEVICE, torch_device="cpu", timer=CostTimer(known_cost), backends=["knowncost"]).tune(
+        problem(**SMALL)
+    )
+    assert result.best is not None and store.count() == 0
+
+
+def test_invalid_budget():
+    with pytest.raises(ValueError, match="trials"):
+        Tuner(device=DEVICE, torch_device="cpu", timer=CostTimer(known_cost), trials=0)
