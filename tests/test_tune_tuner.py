@@ -119,7 +119,8 @@ def test_optuna_study_lives_in_the_same_database(store):
     assert states["knowncost:fast"] == TrialState.COMPLETE
     assert study.best_trial.params["candidate"] == "knowncost:d64only"
     crash = next(t for t in study.trials if t.params["candidate"] == "knowncost:crash")
-    assert "crashed" in crash.user_attrs["message"]
+    assert "crashed" in crash.user_attrs["sparktune"]["message"]
+    assert crash.user_attrs["sparktune"]["status"] == "failed"
     # the records are in the same file
     assert len(store.records(problem=p)) == 7
 
@@ -155,3 +156,11 @@ def test_no_store_no_records(store):
 def test_invalid_budget():
     with pytest.raises(ValueError, match="trials"):
         Tuner(device=DEVICE, torch_device="cpu", timer=CostTimer(known_cost), trials=0)
+
+
+def test_backends_that_compile_are_warmed_up_first(store, monkeypatch):
+    seen = []
+    monkeypatch.setattr(store.backend, "warmup", lambda p, configs, processes: seen.append((p, list(configs))), raising=False)
+    p = problem(**SMALL)
+    _tuner(store).tune(p)
+    assert seen == [(p, ["fast", "medium", "slow", "long", "wrong", "crash", "d64only"])]

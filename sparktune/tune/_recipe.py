@@ -22,12 +22,11 @@ Loading is safe (no Python objects); every error names the file, the line and th
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from ..problem import Problem
 
@@ -94,12 +93,23 @@ class _Seq(list):
     item_lines: list[int]
 
 
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that remembers the line of every mapping key and sequence item and refuses
-    duplicate keys."""
+@functools.cache
+def _loader() -> Any:
+    """A SafeLoader that remembers the line of every mapping key and sequence item and refuses
+    duplicate keys (PyYAML is imported on first use)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_constructor("tag:yaml.org,2002:map", _construct_map)
+    Loader.add_constructor("tag:yaml.org,2002:seq", _construct_seq)
+    return Loader
 
 
-def _construct_map(loader: _Loader, node: yaml.MappingNode) -> _Map:
+def _construct_map(loader: Any, node: Any) -> _Map:
+    import yaml
+
     loader.flatten_mapping(node)
     m = _Map()
     m.line = node.start_mark.line + 1
@@ -118,15 +128,11 @@ def _construct_map(loader: _Loader, node: yaml.MappingNode) -> _Map:
     return m
 
 
-def _construct_seq(loader: _Loader, node: yaml.SequenceNode) -> _Seq:
+def _construct_seq(loader: Any, node: Any) -> _Seq:
     s = _Seq(loader.construct_object(child, deep=True) for child in node.value)
     s.line = node.start_mark.line + 1
     s.item_lines = [child.start_mark.line + 1 for child in node.value]
     return s
-
-
-_Loader.add_constructor("tag:yaml.org,2002:map", _construct_map)
-_Loader.add_constructor("tag:yaml.org,2002:seq", _construct_seq)
 
 
 # --------------------------------------------------------------------------- validation
@@ -273,9 +279,11 @@ def _expand(c: _Checker, shape: _Map, defaults: _Map | None, fld: str) -> list[P
 
 def parse_recipe(text: str, file: str = "<recipe>") -> Recipe:
     """Validate and expand a recipe given as YAML text; raises :class:`RecipeError`."""
+    import yaml
+
     c = _Checker(file)
     try:
-        doc = yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+        doc = yaml.load(text, Loader=_loader())  # noqa: S506 - a SafeLoader subclass
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line = mark.line + 1 if mark is not None else 0

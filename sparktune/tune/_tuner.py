@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -249,6 +250,7 @@ class Tuner:
         seed: int = 0,
         baseline: bool = True,
         progress: ProgressFn | None = None,
+        warmup_processes: int | None = None,
     ) -> None:
         if timer is None:
             from ._timing import CudaEventTimer
@@ -268,6 +270,7 @@ class Tuner:
         self.seed = seed
         self.baseline = baseline
         self.progress = progress
+        self.warmup_processes = warmup_processes if warmup_processes is not None else max(1, (os.cpu_count() or 2) // 2)
 
     # ------------------------------------------------------------------ planning
 
@@ -300,6 +303,22 @@ class Tuner:
         space = hashlib.sha1("\n".join(sorted(c.label for c in cands)).encode()).hexdigest()[:10]
         d = self.device
         return f"sparktune/{problem_key(problem)}/{d.name} sm_{d.arch}/{build_id()}/{space}"
+
+    def _warmup(self, problem: Problem, cands: list[Candidate]) -> None:
+        """Let backends that compile on first use (they define ``warmup(problem, configs, *,
+        processes)``) compile the candidates ahead of the study, in parallel."""
+        by_backend: dict[str, list[str]] = {}
+        for c in cands:
+            by_backend.setdefault(c.backend, []).append(c.config)
+        registered = _registered()
+        for name, configs in by_backend.items():
+            warm = getattr(registered.get(name), "warmup", None)
+            if not callable(warm):
+                continue
+            try:
+                warm(problem, configs, processes=self.warmup_processes)
+            except Exception as exc:  # noqa: BLE001 - compilation errors surface in the trials
+                log.info("sparktune: warmup of %s failed: %s", name, _short(exc))
 
     # ------------------------------------------------------------------ one candidate
 
@@ -389,6 +408,8 @@ class Tuner:
         )
         for c in order if mode == "exhaustive" else order[:1]:
             study.enqueue_trial({"candidate": c.label})
+        if mode == "exhaustive":
+            self._warmup(problem, order)
 
         workload = Workload(problem, self.torch_device, seed=self.seed)
         deadline = start + self.timeout if self.timeout is not None else None
@@ -436,16 +457,19 @@ class Tuner:
 
     @staticmethod
     def _tell(study: Any, trial: Any, m: Measurement, TrialState: Any) -> None:  # noqa: N803
-        trial.set_user_attr("status", m.status)
+        # one attribute (one storage round trip): status, error and bound, message, TFLOP/s, runs
+        attrs: dict[str, Any] = {"status": m.status}
         if m.error is not None:
-            trial.set_user_attr("error", m.error)
-            trial.set_user_attr("error_limit", m.error_limit)
+            attrs["error"] = m.error if m.error != float("inf") else "inf"
+            attrs["error_limit"] = m.error_limit
         if m.message:
-            trial.set_user_attr("message", m.message)
+            attrs["message"] = m.message
+        if m.timing is not None:
+            attrs["tflops"] = m.tflops
+            attrs["runs"] = m.timing.runs
+        trial.set_user_attr("sparktune", attrs)
         if m.status == "ok":
             assert m.timing is not None
-            trial.set_user_attr("tflops", m.tflops)
-            trial.set_user_attr("runs", m.timing.runs)
             study.tell(trial, m.timing.median_ms)
         elif m.status == "wrong":
             study.tell(trial, state=TrialState.PRUNED)
