@@ -56,7 +56,7 @@ class SparkBackend(Backend):
     # its 96 KB of shared memory, not a measurement. The tuner replaces them per shape.
     _DEFAULTS = {
         (80, 32): (128, 128, 4),
-        (80, 64): (128, 64, 4),
+        (80, 64): (128, 128, 4),
         (80, 96): (128, 64, 4),
         (80, 128): (128, 64, 4),
         (80, 256): (64, 64, 4),

@@ -92,7 +92,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
   extern __shared__ __align__(128) char smem[];
 
-  const int m_block = blockIdx.x;
+  // the last row blocks see the most keys under a causal mask: schedule them first
+  const int m_block = gridDim.x - 1 - blockIdx.x;
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const int tid = threadIdx.x;
@@ -226,6 +227,23 @@ __global__ void __launch_bounds__(Traits::kThreads)
       }
     }
 
+    if constexpr (!Traits::kRegSoftmax) {
+      // S -> shared memory; each row is then reduced by the kRowThreads lanes that own it
+      CUTE_UNROLL
+      for (int i = 0; i < size(s); ++i) {
+        smem_s[get<0>(tScS(i)) * Traits::kSRowPitch + get<1>(tScS(i))] = s(i);
+      }
+    }
+
+    // V[n] has landed and everyone is done with K[n] (and, for kShared, S is visible): start
+    // K[n-1] now so that it streams in while the softmax and P.V run
+    if constexpr (kAsync) cp_async_wait<0>();
+    __syncthreads();
+    if (n > 0) {
+      copy_tile_rows(gmem_copy, tKgK(_, _, _, n - 1), tKsK, tKVcKV, p.seqlen_k - (n - 1) * kBlockN);
+      if constexpr (kAsync) cp_async_fence();
+    }
+
     if constexpr (Traits::kRegSoftmax) {
       Tensor s_rc = make_tensor(s.data(), rowcol_view(s.layout()));
       Tensor o_rc = make_tensor(acc_o.data(), rowcol_view(acc_o.layout()));
@@ -252,12 +270,6 @@ __global__ void __launch_bounds__(Traits::kThreads)
         }
       }
     } else {
-      // S -> shared memory, then each row is reduced by the kRowThreads lanes that own it
-      CUTE_UNROLL
-      for (int i = 0; i < size(s); ++i) {
-        smem_s[get<0>(tScS(i)) * Traits::kSRowPitch + get<1>(tScS(i))] = s(i);
-      }
-      __syncthreads();
       constexpr int kRT = Traits::kRowThreads;
       Tensor sP = make_tensor(make_smem_ptr(smem_p), typename Traits::SmemLayoutP{});
       const int lane_in_row = tid % kRT;
@@ -282,13 +294,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
         row_sum[rr] = row_sum[rr] * alpha + sum;
         if (lane_in_row == 0) smem_row[r] = alpha;
       }
-    }
-
-    if constexpr (kAsync) cp_async_wait<0>();
-    __syncthreads();  // V[n] is in shared memory; everyone is done with K[n] (and wrote P)
-    if (n > 0) {
-      copy_tile_rows(gmem_copy, tKgK(_, _, _, n - 1), tKsK, tKVcKV, p.seqlen_k - (n - 1) * kBlockN);
-      if constexpr (kAsync) cp_async_fence();
+      __syncthreads();  // P and the row rescale factors are visible
     }
 
     // O += P V
