@@ -114,3 +114,13 @@ def test_unknown_kernel_check(tmp_path, store):
     path.write_text(_export([record(config="fast"), record(config="ghost")]))
     rep = db.import_jsonl(store, path, check=check)
     assert rep.refused and rep.errors[0].line == 2 and "ghost" in rep.errors[0].message
+
+
+def test_readme_example_is_a_valid_record():
+    import re
+    from pathlib import Path
+
+    readme = Path(__file__).resolve().parent.parent / "tuning_db" / "README.md"
+    block = re.search(r"```json\n(.*?)```", readme.read_text(), re.S).group(1)
+    r = db.record_from_json(json.loads(block))
+    assert (r.backend, r.status, r.q3_ms, r.torch_version) == ("spark", "ok", 1.63, "2.11.0+cu130")

@@ -80,7 +80,7 @@ def test_default_is_enqueued_first_and_tpe_when_over_budget(store):
     order, mode, planned = tuner.plan(p)
     assert order[0] == default and mode == "tpe" and planned == 4
     result = tuner.tune(p)
-    assert result.trials == 4
+    assert len(result.measurements) == 4 and 4 <= result.trials <= 12
     first = min(result.measurements, key=lambda m: m.trial)
     assert first.candidate == default and first.trial == 0
 

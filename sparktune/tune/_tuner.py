@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 DEFAULT_TRIALS = 100
 #: the pseudo-candidate a timer is given for PyTorch's default SDPA
 BASELINE = Candidate("sdpa", "default")
+#: at most this many trials are asked per measured candidate (repeats are not measured again)
+_ASKS_PER_TRIAL = 3
 #: messages stored for failed candidates are cut to this length
 _MAX_MESSAGE = 2000
 
@@ -415,11 +417,11 @@ class Tuner:
         deadline = start + self.timeout if self.timeout is not None else None
         measured: dict[str, Measurement] = {}
         asks = 0
-        max_asks = planned if mode == "tpe" else 2 * planned
+        # the budget counts measured candidates: a trial that proposes a measured candidate
+        # again is answered from memory; asks are capped in case the sampler keeps doing so
+        max_asks = _ASKS_PER_TRIAL * planned
         try:
-            while asks < max_asks:
-                if mode == "exhaustive" and len(measured) == len(order):
-                    break
+            while asks < max_asks and len(measured) < planned:
                 if deadline is not None and time.monotonic() > deadline:
                     result.stopped = f"timeout of {self.timeout:g} s reached"
                     break
