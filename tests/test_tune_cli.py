@@ -107,6 +107,6 @@ def test_json_output_and_recipe(tmp_path, capsys):
     assert code == 0
     assert [r["problem"]["seqlen_q"] for r in data["results"]] == [32, 64]
     for r in data["results"]:
-        assert r["mode"] == "tpe" and r["trials"] == 3
+        assert r["mode"] == "tpe" and len(r["candidates"]) == 3 and r["trials"] >= 3
         assert r["best"]["status"] == "ok" and r["best"]["speedup_vs_sdpa"] > 0
     assert "cli.sqlite3" in data["database"]
