@@ -139,3 +139,16 @@ def test_database_without_our_tables(tmp_path):
     s = Store(path, create=False)
     assert not s.exists and s.records() == [] and s.count() == 0
     s.close()
+
+
+def test_read_only_database_is_readable(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "ro.sqlite3"
+    with Store(path) as s:
+        s.add([record()])
+    con = sqlite3.connect(path)
+    con.execute("PRAGMA journal_mode=DELETE")  # as a shared read-only copy might be
+    con.close()
+    with Store(f"sqlite:///file:{path}?mode=ro&uri=true", create=False) as s:
+        assert len(s.records()) == 1

@@ -113,7 +113,11 @@ def _setup_sqlite(engine: Engine, timeout: float) -> None:
         cur = dbapi_conn.cursor()
         try:
             cur.execute(f"PRAGMA busy_timeout = {busy_ms}")
-            cur.execute("PRAGMA journal_mode = WAL")
+            try:
+                cur.execute("PRAGMA journal_mode = WAL")
+            except Exception as exc:  # a read-only database is read in the mode it has
+                if "readonly" not in str(exc).replace("-", "").lower():
+                    raise
             cur.execute("PRAGMA synchronous = NORMAL")
         finally:
             cur.close()
