@@ -164,3 +164,19 @@ def test_backends_that_compile_are_warmed_up_first(store, monkeypatch):
     p = problem(**SMALL)
     _tuner(store).tune(p)
     assert seen == [(p, ["fast", "medium", "slow", "long", "wrong", "crash", "d64only"])]
+
+
+def test_interrupted_study_keeps_what_was_measured(store):
+    p = problem(**SMALL)
+    seen = []
+
+    def cost(candidate, prob):
+        seen.append(candidate.label)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+        return known_cost(candidate, prob)
+
+    tuner = Tuner(device=DEVICE, torch_device="cpu", timer=CostTimer(cost), store=store, backends=["knowncost"])
+    with pytest.raises(KeyboardInterrupt):
+        tuner.tune(p)
+    assert sorted(r.config for r in store.records(problem=p)) == sorted(lb.split(":")[1] for lb in seen[:2])

@@ -449,10 +449,12 @@ class Tuner:
                             f"the CUDA context is unusable after {label} failed ({broken}); the "
                             f"results so far are saved; tune again with --exclude '{label}'"
                         )
-        finally:
-            result.trials = asks
+            if len(measured) < planned and not result.stopped:
+                result.stopped = f"the sampler proposed measured candidates {asks} times; {len(measured)} measured"
             if self.baseline and result.ranked():
                 result.baseline = self._baseline(workload)
+        finally:  # what was measured is stored even when tuning stops on an error
+            result.trials = asks
             result.wall_s = time.monotonic() - start
             self._save(result)
         return result
