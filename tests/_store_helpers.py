@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta, timezone
 
 from sparktune.db import Record
 from sparktune.problem import DeviceInfo, Problem
@@ -13,7 +13,7 @@ OTHER_DEVICE = DeviceInfo("Other GPU", (8, 0), 108, driver="580.1", cuda="13.0")
 BUILD = "build-test"
 
 _clock = itertools.count()
-_T0 = datetime(2026, 1, 1, tzinfo=UTC)
+_T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
 def problem(**changes) -> Problem:

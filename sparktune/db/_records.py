@@ -11,7 +11,7 @@ import re
 import socket
 import uuid
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from ..problem import DTYPES, OPS, DeviceInfo, Problem
@@ -47,7 +47,7 @@ class RecordError(ValueError):
 
 
 def now_utc() -> datetime:
-    return datetime.now(UTC)
+    return datetime.now(timezone.utc)
 
 
 def _default_host() -> str:
@@ -145,8 +145,8 @@ def device_label(d: DeviceInfo) -> str:
 
 def _iso(t: datetime) -> str:
     if t.tzinfo is None:
-        t = t.replace(tzinfo=UTC)
-    return t.astimezone(UTC).isoformat().replace("+00:00", "Z")
+        t = t.replace(tzinfo=timezone.utc)
+    return t.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
 
 
 def record_to_json(r: Record) -> dict[str, Any]:
@@ -321,11 +321,11 @@ def record_from_json(obj: Any, *, source: str = "") -> Record:
     host = top.str_("host")
     when_text = top.str_("measured_at", allow_empty=False)
     try:
-        when = datetime.fromisoformat(when_text)
+        when = datetime.fromisoformat(when_text.replace("Z", "+00:00"))  # "Z" needs 3.11
     except ValueError:
         raise RecordError("measured_at", f"must be an ISO 8601 time, got {when_text!r}") from None
     if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
+        when = when.replace(tzinfo=timezone.utc)
     version = top.str_("version")
     torch_version = top.str_("torch", required=False)
     top.done()

@@ -6,8 +6,8 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
-from datetime import UTC
-from typing import Any, Self, TypeVar
+from datetime import timezone
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
@@ -87,7 +87,7 @@ def _to_record(m: Any, source: str) -> Record:
     """A record from a result row (attribute access by column name)."""
     when = m.measured_at
     if when.tzinfo is None:  # SQLite keeps no zone; we always write UTC
-        when = when.replace(tzinfo=UTC)
+        when = when.replace(tzinfo=timezone.utc)
     return Record(
         problem=Problem(**{c: getattr(m, c) for c in _PROBLEM_COLUMNS}),
         device=DeviceInfo(
@@ -157,7 +157,7 @@ class Store:
     def close(self) -> None:
         self.engine.dispose()
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc: object) -> None:
