@@ -25,10 +25,12 @@ import os
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import MockTensor
 
 from .triton_space import BwdConfig, Config, FwdConfig, padded_head_dim, parse_config
 
@@ -37,6 +39,7 @@ __all__ = [
     "attention_backward",
     "warmup",
     "compiled_labels",
+    "compile_offline",
     "INTERPRET",
 ]
 
@@ -54,7 +57,9 @@ def _fix_interpreter() -> None:
       >= 2.4 refuses for arrays that are not 0-d: ``__index__`` takes the element explicitly;
     - ``tl.dot`` multiplies bfloat16 operands as their uint16 bit patterns: bfloat16 operands
       are widened to float32 first (exact: products of bfloat16 values are exact in float32,
-      and the accumulation is float32 either way, as on the GPU).
+      and the accumulation is float32 either way, as on the GPU);
+    - float32 -> bfloat16 casts truncate, where the GPU rounds to nearest even (the bias shows
+      in the backward's sums): they round to nearest even.
     """
     import numpy as np
     from triton.runtime import interpreter
@@ -85,6 +90,21 @@ def _fix_interpreter() -> None:
 
         widened_dot._sparktune_fixed = True
         builder.create_dot = widened_dot
+
+    cast_impl = getattr(builder, "cast_impl", None)
+    if cast_impl is not None and not getattr(cast_impl, "_sparktune_fixed", False):
+
+        def rounded_cast(self, src, dst_type):
+            if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+                bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
+                # round to nearest, ties to even: add 0x7fff plus the lowest kept bit
+                bits = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+                return interpreter.TensorHandle((bits >> np.uint32(16)).astype(np.uint16),
+                                                tl.bfloat16)
+            return cast_impl(self, src, dst_type)
+
+        rounded_cast._sparktune_fixed = True
+        builder.cast_impl = rounded_cast
 
 
 if INTERPRET:
@@ -462,6 +482,126 @@ def _bwd_dq_kernel(
 
 
 # --------------------------------------------------------------------------------------------
+# launch plans: one description of every kernel launch, used to run, to warm up and to compile
+# for a GPU that is not there
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Launch:
+    kernel: object
+    grid: tuple[int, int, int]
+    #: (config or kernel name, kernel kind, dtype, head_dim[, causal]): the compile-log label
+    label: tuple
+    args: tuple
+    kwargs: dict
+
+
+class _Spec(MockTensor):
+    """Stands in for a tensor when nothing runs: a dtype and strides (Triton specialises on
+    the dtype, on pointer alignment, reported as 16 bytes, and on strides divisible by 16)."""
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], strides=None) -> None:
+        super().__init__(dtype, list(shape))
+        if strides is None:  # contiguous
+            strides, step = [], 1
+            for size in reversed(shape):
+                strides.insert(0, step)
+                step *= size
+        self._strides = tuple(strides)
+
+    def stride(self, dim: int | None = None):
+        return self._strides if dim is None else self._strides[dim]
+
+
+def _strides(t) -> tuple[int, int, int]:
+    if t.stride(-1) != 1:
+        raise ValueError(f"the last dimension must be contiguous, got strides {tuple(t.stride())}")
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _dtype_name(t) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _fwd_plan(q, k, v, out, lse, cfg: FwdConfig, causal: bool, scale: float) -> _Launch:
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    return _Launch(
+        _fwd_kernel,
+        (triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch),
+        (cfg.name, "fwd", _dtype_name(q), head_dim, causal),
+        (q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+         seqlen_q, seqlen_k, heads_q // heads_kv, scale * LOG2E),
+        dict(CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
+             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+             num_stages=cfg.num_stages),
+    )
+
+
+def _bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, delta, dq_acc, cfg: BwdConfig, causal: bool,
+              scale: float) -> list[_Launch]:
+    """The backward's launches in order: row sums, dK/dV (with atomic dQ into ``dq_acc``, or
+    not), then the dQ kernel when dQ is not atomic."""
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    group = heads_q // heads_kv
+    block_d = padded_head_dim(head_dim)
+    dtype = _dtype_name(q)
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    plans = [
+        _Launch(
+            _bwd_preprocess,
+            (triton.cdiv(seqlen_q, _PRE_BLOCK_M), heads_q, batch),
+            ("bwd_preprocess", "bwd", dtype, head_dim),
+            (out, dout, delta, *_strides(out), *_strides(dout), seqlen_q),
+            dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=_PRE_BLOCK_M, num_warps=_PRE_WARPS),
+        ),
+        _Launch(
+            _bwd_dkdv_kernel,
+            (triton.cdiv(seqlen_k, cfg.block_n), heads_kv, batch),
+            (cfg.name, "bwd_dkdv", dtype, head_dim, causal),
+            (q, k, v, dout, dk, dv, lse, delta, dq_acc, *_strides(q), *_strides(k), *_strides(v),
+             *_strides(dout), *_strides(dk), *_strides(dv), *_strides(dq_acc), seqlen_q, seqlen_k,
+             group, scale * LOG2E, scale),
+            dict(CAUSAL=causal, DQ_ATOMIC=cfg.dq_atomic, HEAD_DIM=head_dim, BLOCK_D=block_d,
+                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **launch),
+        ),
+    ]
+    if not cfg.dq_atomic:
+        # the mirror image of the dK/dV kernel: block_n query rows held, keys by block_m
+        plans.append(_Launch(
+            _bwd_dq_kernel,
+            (triton.cdiv(seqlen_q, cfg.block_n), heads_q, batch),
+            (cfg.name, "bwd_dq", dtype, head_dim, causal),
+            (q, k, v, dout, dq, lse, delta, *_strides(q), *_strides(k), *_strides(v),
+             *_strides(dout), *_strides(dq), seqlen_q, seqlen_k, group, scale * LOG2E, scale),
+            dict(CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_n,
+                 BLOCK_N=cfg.block_m, **launch),
+        ))
+    return plans
+
+
+def _spec_plans(problem, cfg: Config) -> list[_Launch]:
+    """The launches of ``cfg`` for ``problem`` with contiguous (B, H, N, D) stand-ins: the
+    same specialisation as the (B, N, H, D) layout whenever head_dim is a multiple of 16."""
+    dtype = getattr(torch, problem.dtype)
+    f32 = torch.float32
+    b, hq, hk, nq, nk, d = (problem.batch, problem.heads_q, problem.heads_kv, problem.seqlen_q,
+                            problem.seqlen_k, problem.head_dim)
+
+    q, out = _Spec(dtype, (b, hq, nq, d)), _Spec(dtype, (b, hq, nq, d))
+    k, v = _Spec(dtype, (b, hk, nk, d)), _Spec(dtype, (b, hk, nk, d))
+    lse = _Spec(f32, (b, hq, nq))
+    causal = bool(problem.causal)
+    if cfg.op == "fwd":
+        return [_fwd_plan(q, k, v, out, lse, cfg, causal, 1.0)]
+    dq_acc = _Spec(f32, (b, hq, nq, d)) if cfg.dq_atomic else q
+    return _bwd_plan(q, q, k, v, out, lse, q, k, v, _Spec(f32, (b, hq, nq)), dq_acc, cfg, causal,
+                     1.0)
+
+
+# --------------------------------------------------------------------------------------------
 # launchers
 # --------------------------------------------------------------------------------------------
 
@@ -470,48 +610,49 @@ _compiled_lock = threading.Lock()
 
 
 def compiled_labels() -> dict[tuple, float]:
-    """(config, kernel, dtype, head_dim, causal) -> compile seconds, for every kernel variant
+    """(config, kernel, dtype, head_dim[, causal]) -> compile seconds, for every kernel variant
     this process has compiled (or loaded from Triton's disk cache)."""
     with _compiled_lock:
         return dict(_compiled)
 
 
-def _launch(kernel, grid, label: tuple, args: tuple, **kwargs) -> None:
-    """Launch ``kernel``; the first launch of a variant compiles it, which is timed and logged
-    once. Triton keeps the compiled kernel in its process-wide cache (and on disk)."""
+def _run(plan: _Launch, warmup: bool = False) -> float | None:
+    """Launch (or with ``warmup`` only compile) ``plan``. The first use of a variant compiles
+    it, timed and logged once; Triton keeps the compiled kernel in its process-wide cache (and
+    on disk). Returns the compile seconds on a first use, else None."""
     with _compiled_lock:
-        first = label not in _compiled
+        first = plan.label not in _compiled
     if not first:
-        kernel[grid](*args, **kwargs)
-        return
+        if not warmup:
+            plan.kernel[plan.grid](*plan.args, **plan.kwargs)
+        return None
     t0 = time.perf_counter()
-    kernel[grid](*args, **kwargs)
+    if warmup:
+        if not INTERPRET:
+            plan.kernel.warmup(*plan.args, grid=plan.grid, **plan.kwargs)
+    else:
+        plan.kernel[plan.grid](*plan.args, **plan.kwargs)
     seconds = time.perf_counter() - t0
     with _compiled_lock:
-        if label not in _compiled:
-            _compiled[label] = seconds
-            log.info("triton: compiled %s (%s) in %.2f s", label[0], ", ".join(map(str, label[1:])),
-                     seconds)
+        if plan.label in _compiled:
+            return None
+        _compiled[plan.label] = seconds
+    log.info("triton: compiled %s (%s)%s in %.2f s", plan.label[0],
+             ", ".join(map(str, plan.label[1:])), " ahead of time" if warmup else "", seconds)
+    return seconds
 
 
-def _strides(t: torch.Tensor) -> tuple[int, int, int]:
-    if t.stride(-1) != 1:
-        raise ValueError(f"the last dimension must be contiguous, got strides {tuple(t.stride())}")
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
-def _check_shapes(q, k, v) -> tuple[int, int, int, int, int, int]:
+def _check_shapes(q, k, v) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be (batch, heads, seqlen, head_dim) views")
-    batch, heads_q, seqlen_q, head_dim = q.shape
-    _, heads_kv, seqlen_k, _ = k.shape
+    batch, heads_q, _, head_dim = q.shape
+    heads_kv = k.shape[1]
     if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv})")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"q, k, v must all be float16 or all bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}")
-    return batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim
 
 
 def _as_config(config: Config | str, op: str) -> Config:
@@ -521,34 +662,22 @@ def _as_config(config: Config | str, op: str) -> Config:
     return cfg
 
 
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).replace("torch.", "")
-
-
 def attention_forward(q, k, v, out, lse=None, *, config: FwdConfig | str, causal: bool,
                       scale: float) -> torch.Tensor:
     """Write softmax(scale * q k^T) v into ``out`` and return the float32 log-sum-exp
     (batch, heads_q, seqlen_q) (written into ``lse`` when given, which must be contiguous)."""
     cfg = _as_config(config, "fwd")
-    batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _check_shapes(q, k, v)
+    _check_shapes(q, k, v)
     if out.shape != q.shape or out.dtype != q.dtype:
         raise ValueError(f"out must match q: {tuple(out.shape)} {out.dtype}")
     if not scale > 0:
         raise ValueError(f"scale must be positive, got {scale}")
+    rows = q.shape[:3]
     if lse is None:
-        lse = torch.empty((batch, heads_q, seqlen_q), device=q.device, dtype=torch.float32)
-    elif lse.shape != (batch, heads_q, seqlen_q) or lse.dtype != torch.float32 or not lse.is_contiguous():
+        lse = torch.empty(rows, device=q.device, dtype=torch.float32)
+    elif lse.shape != rows or lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError("lse must be a contiguous float32 (batch, heads_q, seqlen_q) tensor")
-    block_d = padded_head_dim(head_dim)
-    grid = (triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch)
-    label = (cfg.name, "fwd", _dtype_name(q), head_dim, bool(causal))
-    _launch(
-        _fwd_kernel, grid, label,
-        (q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-         seqlen_q, seqlen_k, heads_q // heads_kv, scale * LOG2E),
-        CAUSAL=bool(causal), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    _run(_fwd_plan(q, k, v, out, lse, cfg, bool(causal), scale))
     return lse
 
 
@@ -557,7 +686,7 @@ def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, *, config: BwdConfig
     """Write the gradients of the forward into ``dq``, ``dk``, ``dv`` (any strides with a
     contiguous last dimension; dk/dv have kv heads, summed over each GQA group)."""
     cfg = _as_config(config, "bwd")
-    batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _check_shapes(q, k, v)
+    _check_shapes(q, k, v)
     for name, grad, ref in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v), ("dout", dout, q),
                             ("out", out, q)):
         if grad.shape != ref.shape or grad.dtype != ref.dtype:
@@ -567,49 +696,20 @@ def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, *, config: BwdConfig
         raise ValueError(f"scale must be positive, got {scale}")
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
+    rows = q.shape[:3]
     lse = lse.to(torch.float32).contiguous()
-    if lse.shape != (batch, heads_q, seqlen_q):
+    if lse.shape != rows:
         raise ValueError(f"lse must be (batch, heads_q, seqlen_q), got {tuple(lse.shape)}")
-    group = heads_q // heads_kv
-    block_d = padded_head_dim(head_dim)
-    dtype = _dtype_name(q)
-    causal = bool(causal)
-    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-    delta = torch.empty((batch, heads_q, seqlen_q), device=q.device, dtype=torch.float32)
-    _launch(
-        _bwd_preprocess, (triton.cdiv(seqlen_q, _PRE_BLOCK_M), heads_q, batch),
-        ("bwd_preprocess", "bwd", dtype, head_dim),
-        (out, dout, delta, *_strides(out), *_strides(dout), seqlen_q),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=_PRE_BLOCK_M, num_warps=_PRE_WARPS,
-    )
-
+    delta = torch.empty(rows, device=q.device, dtype=torch.float32)
     if cfg.dq_atomic:
-        dq_acc = torch.zeros((batch, heads_q, seqlen_q, head_dim), device=q.device,
-                             dtype=torch.float32)
+        dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     else:
-        dq_acc = dq  # unused by the kernel; any tensor of the right kind
-    _launch(
-        _bwd_dkdv_kernel, (triton.cdiv(seqlen_k, cfg.block_n), heads_kv, batch),
-        (cfg.name, "bwd_dkdv", dtype, head_dim, causal),
-        (q, k, v, dout, dk, dv, lse, delta, dq_acc, *_strides(q), *_strides(k), *_strides(v),
-         *_strides(dout), *_strides(dk), *_strides(dv), *_strides(dq_acc), seqlen_q, seqlen_k,
-         group, scale * LOG2E, scale),
-        CAUSAL=causal, DQ_ATOMIC=cfg.dq_atomic, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **launch,
-    )
+        dq_acc = dq  # not read by the kernel; any tensor of the right kind
+    for plan in _bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, delta, dq_acc, cfg, bool(causal),
+                          scale):
+        _run(plan)
     if cfg.dq_atomic:
         dq.copy_(dq_acc)
-        return
-    # the dQ kernel mirrors the dK/dV one: block_n query rows held, keys streamed by block_m
-    _launch(
-        _bwd_dq_kernel, (triton.cdiv(seqlen_q, cfg.block_n), heads_q, batch),
-        (cfg.name, "bwd_dq", dtype, head_dim, causal),
-        (q, k, v, dout, dq, lse, delta, *_strides(q), *_strides(k), *_strides(v),
-         *_strides(dout), *_strides(dq), seqlen_q, seqlen_k, group, scale * LOG2E, scale),
-        CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_n,
-        BLOCK_N=cfg.block_m, **launch,
-    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -617,73 +717,87 @@ def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, *, config: BwdConfig
 # --------------------------------------------------------------------------------------------
 
 
-def _mock_strides(batch: int, heads: int, seqlen: int, head_dim: int) -> tuple[int, int, int]:
-    """Strides of a contiguous (B, H, N, D) tensor: what Triton specialises on (divisibility
-    by 16) is the same as for the (B, N, H, D) layout whenever head_dim is a multiple of 16."""
-    return heads * seqlen * head_dim, seqlen * head_dim, head_dim
-
-
 def warmup(problem, configs: Iterable[Config | str]) -> dict[str, float]:
     """Compile ``configs`` for ``problem`` (a :class:`sparktune.problem.Problem`) without running
-    anything; returns config name -> seconds. Kernels land in Triton's in-process and on-disk
-    caches, so the first real call does not pay the compilation. Inputs are assumed to have the
-    stride divisibility of contiguous (B, H, N, D) tensors (other layouts may compile once
-    more). A no-op under the interpreter."""
-    dtype = getattr(torch, problem.dtype)
-    d = problem.head_dim
-    block_d = padded_head_dim(d)
-    causal = bool(problem.causal)
-    sq = _mock_strides(problem.batch, problem.heads_q, problem.seqlen_q, d)
-    sk = _mock_strides(problem.batch, problem.heads_kv, problem.seqlen_k, d)
-    nq, nk, group = problem.seqlen_q, problem.seqlen_k, problem.group_size
-    f32 = torch.float32
+    anything; returns config name -> seconds spent compiling now. Kernels land in Triton's
+    in-process and on-disk caches, so the first real call does not pay the compilation. Inputs
+    are assumed to have the stride divisibility of contiguous (B, H, N, D) tensors (another
+    layout may compile once more). A no-op under the interpreter."""
     timings: dict[str, float] = {}
     for config in configs:
         cfg = _as_config(config, problem.op)
-        jobs = []
-        if cfg.op == "fwd":
-            jobs.append((
-                _fwd_kernel, (cfg.name, "fwd", problem.dtype, d, causal),
-                (dtype, dtype, dtype, dtype, f32, *sq, *sk, *sk, *sq, nq, nk, group, 1.0),
-                dict(CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m,
-                     BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-            ))
-        else:
-            launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-            jobs.append((
-                _bwd_preprocess, ("bwd_preprocess", "bwd", problem.dtype, d),
-                (dtype, dtype, f32, *sq, *sq, nq),
-                dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=_PRE_BLOCK_M, num_warps=_PRE_WARPS),
-            ))
-            acc_dtype, sacc = (f32, sq) if cfg.dq_atomic else (dtype, sq)
-            jobs.append((
-                _bwd_dkdv_kernel, (cfg.name, "bwd_dkdv", problem.dtype, d, causal),
-                (dtype, dtype, dtype, dtype, dtype, dtype, f32, f32, acc_dtype, *sq, *sk, *sk, *sq,
-                 *sk, *sk, *sacc, nq, nk, group, 1.0, 1.0),
-                dict(CAUSAL=causal, DQ_ATOMIC=cfg.dq_atomic, HEAD_DIM=d, BLOCK_D=block_d,
-                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **launch),
-            ))
-            if not cfg.dq_atomic:
-                jobs.append((
-                    _bwd_dq_kernel, (cfg.name, "bwd_dq", problem.dtype, d, causal),
-                    (dtype, dtype, dtype, dtype, dtype, f32, f32, *sq, *sk, *sk, *sq, *sq, nq, nk,
-                     group, 1.0, 1.0),
-                    dict(CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_n,
-                         BLOCK_N=cfg.block_m, **launch),
-                ))
-        total = 0.0
-        for kernel, label, args, kwargs in jobs:
-            with _compiled_lock:
-                done = label in _compiled
-            if done or INTERPRET:
-                continue
-            t0 = time.perf_counter()
-            kernel.warmup(*args, grid=(1,), **kwargs)
-            seconds = time.perf_counter() - t0
-            total += seconds
-            with _compiled_lock:
-                _compiled.setdefault(label, seconds)
-            log.info("triton: compiled %s (%s) ahead of time in %.2f s", label[0],
-                     ", ".join(map(str, label[1:])), seconds)
-        timings[cfg.name] = total
+        timings[cfg.name] = sum(_run(plan, warmup=True) or 0.0 for plan in _spec_plans(problem, cfg))
     return timings
+
+
+def compile_offline(problem, config: Config | str, arch: int) -> list[dict]:
+    """Compile ``config``'s kernels for ``problem`` for the NVIDIA GPU ``sm_<arch>`` without
+    needing one (Triton's compiler and its bundled ptxas). Returns, per kernel, its name, the
+    shared memory Triton allocates (bytes), registers per thread and stack bytes per thread
+    (spills; both from the cubin, when Triton's cuobjdump is found) and the seconds taken. For checking the support
+    rules; nothing is loaded on a device (Triton's on-disk cache is used as usual)."""
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import native_specialize_impl
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    cfg = _as_config(config, problem.op)
+    results = []
+    for plan in _spec_plans(problem, cfg):
+        fn = plan.kernel
+        options = {key: plan.kwargs[key] for key in ("num_warps", "num_stages") if key in plan.kwargs}
+        values = dict(zip((p.name for p in fn.params), plan.args, strict=False))
+        values.update({k: v for k, v in plan.kwargs.items() if k not in options})
+        signature, constexprs, attrs = {}, {}, {}
+        for i, param in enumerate(fn.params):
+            value = values[param.name]
+            if param.is_constexpr:
+                signature[param.name] = "constexpr"
+                constexprs[(i,)] = value
+                continue
+            ty, attr = native_specialize_impl(BaseBackend, value, param.is_const,
+                                              not param.do_not_specialize,
+                                              not param.do_not_specialize_on_alignment)
+            signature[param.name] = ty
+            if ty == "constexpr":
+                constexprs[(i,)] = attr
+            elif isinstance(attr, str) and attr:
+                attrs[(i,)] = backend.parse_attr(attr)
+        t0 = time.perf_counter()
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                  options=options)
+        seconds = time.perf_counter() - t0
+        regs, spilled = _resource_usage(compiled.asm.get("cubin"))
+        results.append(dict(kernel=getattr(fn, "__name__", plan.label[1]), shared=compiled.metadata.shared, regs=regs,
+                            spilled=spilled, seconds=seconds))
+    return results
+
+
+def _resource_usage(cubin: bytes | None) -> tuple[int | None, int | None]:
+    """(registers per thread, stack + local bytes per thread) of a cubin's kernel, read with the
+    cuobjdump that ships with Triton; (None, None) when it cannot be read."""
+    import re
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not cubin or not os.path.exists(tool):
+        return None, None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
+                                  timeout=60).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None, None
+    # the last function listed is the kernel (helpers are inlined); spills land on the stack
+    regs = re.findall(r"REG:(\d+)", text)
+    stack = re.findall(r"STACK:(\d+)", text)
+    local = re.findall(r"LOCAL:(\d+)", text)
+    if not regs:
+        return None, None
+    spilled = int(stack[-1]) if stack else 0
+    spilled += int(local[-1]) if local else 0
+    return int(regs[-1]), spilled

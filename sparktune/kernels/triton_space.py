@@ -116,11 +116,17 @@ class BwdConfig:
     def smem_bytes(self, head_dim: int) -> int:
         """Estimate for either kernel (they mirror each other): two resident tiles of
         ``block_n`` rows, ``num_stages`` buffers of two streamed tiles of ``block_m`` rows and
-        one ``block_n x block_m`` tile of probabilities staged for the second product."""
+        one ``block_n x block_m`` tile of probabilities staged for the second product. Atomic dQ
+        (dS^T K inside the dK/dV kernel) stages K, Q and dS once more in other layouts: an upper
+        bound, checked against Triton 3.6's allocations on sm_80 and sm_90 (``gpu_check_triton
+        --offline``)."""
         d = padded_head_dim(head_dim)
         resident = 2 * self.block_n * d
         streamed = self.num_stages * 2 * self.block_m * d
-        return _ELEMENT_BYTES * (resident + streamed + self.block_n * self.block_m)
+        staged = self.block_n * self.block_m
+        if self.dq_atomic:
+            staged += self.block_n * d + self.block_m * d + self.block_m * self.block_n
+        return _ELEMENT_BYTES * (resident + streamed + staged)
 
     def acc_regs(self, head_dim: int) -> int:
         """fp32 registers per thread for the dK and dV accumulators."""
