@@ -15,13 +15,14 @@ using namespace cute;
 
 constexpr float kLn2 = 0.69314718055994530942f;
 
-// Global -> shared copy of one tile whose rows past `rows_left` are zero-filled.
-template <class TiledCopy, class Src, class Dst, class Coord>
+// Global -> shared copy of one tile. With kCheckRows, rows past `rows_left` are zero-filled;
+// without, the whole tile is known to be in bounds and no predicate is evaluated.
+template <bool kCheckRows = true, class TiledCopy, class Src, class Dst, class Coord>
 CUTE_DEVICE void copy_tile_rows(TiledCopy const& tiled_copy, Src const& src, Dst&& dst,
                                 Coord const& coord, int rows_left) {
   CUTE_UNROLL
   for (int m = 0; m < size<1>(src); ++m) {
-    if (get<0>(coord(0, m, 0)) < rows_left) {
+    if (!kCheckRows || get<0>(coord(0, m, 0)) < rows_left) {
       CUTE_UNROLL
       for (int k = 0; k < size<2>(src); ++k) cute::copy(tiled_copy, src(_, m, k), dst(_, m, k));
     } else {
@@ -204,10 +205,14 @@ __global__ void __launch_bounds__(Traits::kThreads)
     if constexpr (kAsync) cp_async_fence();
   }
 
-  for (int n = n_blocks - 1; n >= 0; --n) {
+  // One key block. kMask: the block holds the key tail or crosses the causal diagonal. Masked
+  // and unmasked blocks run as separate loops so that the unmasked ones carry no mask code.
+  auto step = [&](const int n, auto mask_tag) {
+    constexpr bool kMask = decltype(mask_tag)::value;
     if constexpr (kAsync) cp_async_wait<0>();
     __syncthreads();  // K[n] is in shared memory; everyone is done with V[n+1] and P
-    copy_tile_rows(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, p.seqlen_k - n * kBlockN);
+    // only the last key block can hold the tail, and it is always a masked one
+    copy_tile_rows<kMask>(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, p.seqlen_k - n * kBlockN);
     if constexpr (kAsync) cp_async_fence();
 
     // S = Q K^T
@@ -217,8 +222,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
     decltype(auto) s = as_float(acc_s);
 
     // mask the key tail and, when causal, what lies above the diagonal
-    const int col0 = n * kBlockN;
-    if (col0 + kBlockN > p.seqlen_k || (p.causal && col0 + kBlockN - 1 > row0 + diag)) {
+    if constexpr (kMask) {
+      const int col0 = n * kBlockN;
       CUTE_UNROLL
       for (int i = 0; i < size(s); ++i) {
         const int col = col0 + get<1>(tScS(i));
@@ -240,7 +245,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     if constexpr (kAsync) cp_async_wait<0>();
     __syncthreads();
     if (n > 0) {
-      copy_tile_rows(gmem_copy, tKgK(_, _, _, n - 1), tKsK, tKVcKV, p.seqlen_k - (n - 1) * kBlockN);
+      copy_tile_rows<false>(gmem_copy, tKgK(_, _, _, n - 1), tKsK, tKVcKV, 0);
       if constexpr (kAsync) cp_async_fence();
     }
 
@@ -314,7 +319,14 @@ __global__ void __launch_bounds__(Traits::kThreads)
       Tensor tOsP = s2r_p_thr.partition_S(sP);
       gemm_ss(tiled_mma, acc_o, tOrP, tOrVt, tOsP, tOsVt, s2r_p, s2r_p_thr, s2r_v, s2r_v_thr);
     }
-  }
+  };
+
+  auto needs_mask = [&](int n) {
+    return (n + 1) * kBlockN > p.seqlen_k || (p.causal && (n + 1) * kBlockN - 1 > row0 + diag);
+  };
+  int n = n_blocks - 1;
+  for (; n >= 0 && needs_mask(n); --n) step(n, cute::true_type{});
+  for (; n >= 0; --n) step(n, cute::false_type{});
 
   // ---- epilogue: O /= rowsum, log-sum-exp, O written once ----
   float* lse_ptr = p.lse + (int64_t(batch) * p.heads_q + head) * p.seqlen_q;
