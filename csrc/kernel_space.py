@@ -60,18 +60,19 @@ def forward_space() -> list[FwdEntry]:
     """Every declared forward configuration (valid or not; the C++ rules decide)."""
     entries: list[FwdEntry] = []
     # Ampere and later (m16n8k16). Register softmax with all warps along M is FlashAttention-2's
-    # arrangement; shared softmax lets warps split the key block too.
-    tiles80 = [(64, 32), (64, 64), (64, 128), (128, 32), (128, 64), (128, 128)]
+    # arrangement; shared softmax lets warps split the key block too. fp16 accumulation is
+    # offered where it saves registers for the largest tiles.
+    tiles80 = [(64, 64), (64, 128), (128, 32), (128, 64), (128, 128)]
     entries += _product(80, ["f16", "bf16"], [32, 64, 96, 128, 256], tiles80,
                         [(4, 1), (8, 1)], [32], ["preg"])
-    entries += _product(80, ["f16"], [32, 64, 96, 128, 256], tiles80,
-                        [(4, 1), (8, 1)], [16], ["preg"])
-    entries += _product(80, ["f16", "bf16"], [64, 128], [(64, 64), (128, 64), (128, 128)],
+    entries += _product(80, ["f16"], [64, 128], [(64, 64), (128, 64), (128, 128)],
+                        [(4, 1)], [16], ["preg"])
+    entries += _product(80, ["f16", "bf16"], [64, 128], [(64, 64), (128, 64)],
                         [(2, 2), (4, 2)], [32], ["psmem"])
     # Volta (m8n8k4): fp16 only, both accumulations, S and P through shared memory.
-    tiles70 = [(32, 32), (64, 32), (64, 64), (128, 32), (128, 64)]
+    tiles70 = [(64, 32), (64, 64), (128, 32), (128, 64)]
     entries += _product(70, ["f16"], [32, 64, 96, 128], tiles70,
-                        [(1, 1), (2, 1), (4, 1), (2, 2)], [32, 16], ["psmem"])
+                        [(2, 1), (4, 1), (2, 2)], [32, 16], ["psmem"])
     names = [e.name for e in entries]
     assert len(names) == len(set(names)), "duplicate configuration names"
     return entries

@@ -25,6 +25,12 @@ extern const char* kBuildSpaceId;
 #ifndef SPARKTUNE_ARCHS
 #define SPARKTUNE_ARCHS ""
 #endif
+#ifndef SPARKTUNE_FAMILY70_ARCHS
+#define SPARKTUNE_FAMILY70_ARCHS ""
+#endif
+#ifndef SPARKTUNE_FAMILY80_ARCHS
+#define SPARKTUNE_FAMILY80_ARCHS ""
+#endif
 #ifndef SPARKTUNE_KERNEL_FILTER
 #define SPARKTUNE_KERNEL_FILTER ""
 #endif
@@ -32,6 +38,8 @@ extern const char* kBuildSpaceId;
 namespace {
 
 using Strides = std::tuple<int64_t, int64_t, int64_t>;
+
+std::vector<int> parse_archs(const std::string& s);
 
 py::dict kernel_dict(const KernelInfo& k) {
   py::dict d;
@@ -50,6 +58,8 @@ py::dict kernel_dict(const KernelInfo& k) {
   d["threads"] = k.threads;
   d["smem_bytes"] = k.smem_bytes;
   d["min_arch"] = k.min_arch;
+  // the GPUs this kernel has machine code for (its family's build architectures)
+  d["archs"] = parse_archs(k.family == 70 ? SPARKTUNE_FAMILY70_ARCHS : SPARKTUNE_FAMILY80_ARCHS);
   return d;
 }
 
