@@ -62,7 +62,7 @@ def _cutlass_include() -> str | None:
 def test_compile_time_rules_exclude_what_cannot_fit(tmp_path):
     """The generator asks the C++ rules: Volta configurations over 96 KB and bad warp tilings
     are excluded with a reason, valid ones get a source file."""
-    pats = "fwd_sm70_f16_d128_m128n64_w4x1_acc32_psmem,fwd_sm70_f16_d64_m64n64_w2x1_acc32_psmem,fwd_sm80_f16_d32_m64n32_w8x1_acc32_preg"
+    pats = "fwd_sm70_f16_d128_m128n64_w4x1_acc32_psmem,fwd_sm70_f16_d64_m64n64_w2x1_acc32_psmem,fwd_sm80_f16_d32_m64n64_w8x1_acc32_preg"
     subprocess.run(
         [sys.executable, str(ROOT / "csrc" / "gen_kernels.py"), "--out", str(tmp_path), "--nvcc", "nvcc",
          "--include", _cutlass_include(), "--include", str(ROOT / "csrc" / "include"), "--filter", pats],
@@ -73,7 +73,7 @@ def test_compile_time_rules_exclude_what_cannot_fit(tmp_path):
     assert big[1] == "0" and "96 KB" in big[4] and int(big[2]) > 96 * 1024
     ok = rows["fwd_sm70_f16_d64_m64n64_w2x1_acc32_psmem"]
     assert ok[1] == "1" and (tmp_path / "fwd_sm70_f16_d64_m64n64_w2x1_acc32_psmem.cu").exists()
-    bad = rows["fwd_sm80_f16_d32_m64n32_w8x1_acc32_preg"]
+    bad = rows["fwd_sm80_f16_d32_m64n64_w8x1_acc32_preg"]
     assert bad[1] == "0" and "warp tile" in bad[4]
     reg = (tmp_path / "register_all.cu").read_text()
     assert 'registry.exclude("fwd_sm70_f16_d128_m128n64_w4x1_acc32_psmem"' in reg
