@@ -7,7 +7,8 @@
 For each config of the declared space (forward and backward) and each kernel variant
 (dtype x head dim x causal, four combinations so that every dtype, head dim and mask kind
 appears), odd shapes: seqlen 1, 17, 1000, 1537, 4097, seqlen_q != seqlen_k both ways (with
-rows that see no key), GQA and MQA, (B, N, H, D) strided views. The rule is FlashAttention's:
+rows that see no key), GQA and MQA, (B, N, H, D) strided views. Head dims 32, 96 (padded to
+128) and 256 are checked too, with their default configs only. The rule is FlashAttention's:
 the kernel's max abs error against float64 is at most twice PyTorch's own error in the same
 precision (the larger of math SDPA and plain matmul-softmax-matmul, both in fp16/bf16 on the
 same inputs), plus 1e-5. Also checked exactly: rows that see no key have lse -inf, output 0 and
@@ -67,6 +68,19 @@ SHAPES = (
     (2, 4, 2, 1000, 1537, "bhnd"),  # more keys than queries
     (1, 4, 4, 1537, 1000, "bnhd"),  # more queries: causal rows 0..536 see no key
     (1, 2, 1, 17, 4097, "bhnd"),  # a few queries over a long context
+)
+#: other head dims (padded ones among them), checked with their default configs only
+EXTRA_VARIANTS = (
+    ("float16", 96, False),
+    ("bfloat16", 96, True),
+    ("bfloat16", 32, False),
+    ("float16", 256, True),
+    ("bfloat16", 256, False),
+)
+EXTRA_SHAPES = (
+    (2, 6, 2, 17, 17, "bnhd"),
+    (1, 4, 4, 1537, 1000, "bnhd"),
+    (1, 2, 1, 1000, 1000, "bhnd"),
 )
 FLOOR = 1e-5
 FACTOR = 2.0
@@ -313,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=230.0,
                     help="stop starting new checks after this many seconds (default 230)")
     ap.add_argument("--quiet", action="store_true", help="print failures only, not every pass")
+    ap.add_argument("--no-extra", action="store_true",
+                    help="skip head dims 32/96/256 (default configs only, on EXTRA_SHAPES)")
     ap.add_argument("--offline", default="",
                     help="no GPU: compile for these architectures (e.g. 90,80) and check the "
                          "support rules against the compiler's shared memory")
@@ -349,10 +365,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"configs: {sum(map(len, configs.values()))} ({', '.join(f'{len(v)} {k}' for k, v in configs.items())}); "
           f"{len(variants)} variants x {len(shapes)} shapes")
 
-    # which (variant, config) pairs the support rules accept; the rest are reported as skipped
+    # work: (variant, op) -> configs, and the shapes of each variant. The main variants run
+    # every config; the extra head dims run their default configs
     runnable: dict[tuple, list[str]] = {}
+    variant_shapes: dict[tuple, tuple] = {}
     skipped: list[str] = []
-    for dtype, d, causal in variants:
+    for variant in variants:
+        variant_shapes[variant] = tuple(shapes)
+        dtype, d, causal = variant
         for op in ops:
             probe = Problem(op, dtype, 1, 4, 2, 256, 256, d, causal)
             for name in configs[op]:
@@ -360,7 +380,18 @@ def main(argv: list[str] | None = None) -> int:
                 if reasons:
                     skipped.append(f"SKIP {op} {name} {dtype} d{d}: {'; '.join(reasons)}")
                 else:
-                    runnable.setdefault((dtype, d, causal, op), []).append(name)
+                    runnable.setdefault((*variant, op), []).append(name)
+    for variant in () if args.no_extra else EXTRA_VARIANTS:
+        variant_shapes[variant] = EXTRA_SHAPES
+        dtype, d, causal = variant
+        for op in ops:
+            probe = Problem(op, dtype, 1, 4, 2, 256, 256, d, causal)
+            name = backend.default_config(probe, device)
+            if name is None:
+                reasons = backend.not_supported_reasons(probe, None, device)
+                skipped.append(f"SKIP {op} default {dtype} d{d}: {'; '.join(reasons)}")
+            elif pick is None or pick.search(name):
+                runnable.setdefault((*variant, op), []).append(name)
 
     # compile everything up front, in parallel
     jobs = [(Problem(op, dtype, 1, 4, 2, 256, 256, d, causal), name)
@@ -369,15 +400,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         compiled = warmup_jobs(jobs, processes=args.processes)
         print(f"compiled {len(compiled)}/{len(jobs)} (config, variant) pairs in "
-              f"{time.perf_counter() - t0:.1f} s with {args.processes} processes")
+              f"{time.perf_counter() - t0:.1f} s with {args.processes} processes", flush=True)
     except Exception as exc:  # noqa: BLE001 - the checks compile on first use anyway
         print(f"ahead-of-time compilation failed ({type(exc).__name__}: {exc}); compiling lazily")
 
     passed, failed, not_run = 0, [], 0
     out_of_time = False
-    for vi, (dtype, d, causal) in enumerate(variants):
+    for vi, (variant, vshapes) in enumerate(variant_shapes.items()):
+        dtype, d, causal = variant
         cases = []
-        for si, shape in enumerate(shapes):
+        for si, shape in enumerate(vshapes):
             try:
                 cases.append(Case(dtype, d, causal, shape, "cuda", seed=1000 * vi + si))
             except Exception as exc:  # noqa: BLE001
@@ -386,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
                 failed.append(line)
         for op in ops:
             check = check_forward if op == "fwd" else check_backward
-            for name in runnable.get((dtype, d, causal, op), []):
+            for name in runnable.get((*variant, op), []):
                 for case in cases:
                     if time.perf_counter() - t_start > args.budget_s:
                         out_of_time = True

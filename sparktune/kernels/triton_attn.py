@@ -228,7 +228,7 @@ def _fwd_kernel(
     if CAUSAL:
         # the last row blocks see the most keys: start them first
         pid_m = tl.num_programs(0) - 1 - pid_m
-    h = tl.program_id(1)
+    h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     heads_q = tl.num_programs(1)
     hk = h // group
@@ -280,7 +280,7 @@ def _bwd_preprocess(
 ):
     """delta[i] = sum_d dO[i, d] * Out[i, d] (float32), the row term of the softmax gradient."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    h = tl.program_id(1)
+    h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     o = _load_tile(Out + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + offs_d[None, :],
@@ -355,7 +355,7 @@ def _bwd_dkdv_kernel(
     """One program: BLOCK_N key rows of one kv head, dK and dV summed over the query heads of
     its group and over every query row that sees them."""
     start_n = tl.program_id(0) * BLOCK_N
-    hk = tl.program_id(1)
+    hk = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     heads_q = tl.num_programs(1) * group
     cols = start_n + tl.arange(0, BLOCK_N)
@@ -450,7 +450,7 @@ def _bwd_dq_kernel(
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m
-    h = tl.program_id(1)
+    h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     heads_q = tl.num_programs(1)
     hk = h // group
