@@ -205,7 +205,7 @@ def test_select_and_parse_names():
 
 
 # ---------------------------------------------------------------- the check itself
-SMALL = "fwd_sm70_f16_d32_m32n32_w1x1_acc16_psmem,fwd_sm70_f16_d32_m32n32_w1x1_acc32_psmem"
+SMALL = "fwd_sm70_f16_d32_m64n32_w2x1_acc16_psmem,fwd_sm70_f16_d32_m64n32_w2x1_acc32_psmem"
 
 
 @pytest.mark.build
