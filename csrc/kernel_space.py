@@ -1,14 +1,18 @@
-"""The declared configuration space of the forward kernel family: the one source of truth.
+"""The declared configuration space of the kernel family (forward and backward): the one source
+of truth.
 
 Each entry becomes one generated .cu file at build time; its name (e.g.
 ``fwd_sm80_f16_d128_m128n64_w4x1_acc32_preg``) is the build filter, the registry key, the
 database value and the log label. Whether an entry can work is decided by the C++ rules in
-``include/sparktune/fwd_config.h`` (the generator asks a small probe compiled from them), not
-here.
+``include/sparktune/fwd_config.h`` and ``bwd_config.h`` (the generator asks a small probe
+compiled from them), not here. Each entry type names the C++ it is generated into
+(``rules_header``, ``launch_header``, ``register_fn``).
 
 Name fields: ``sm70``/``sm80`` MMA family (mma.m8n8k4 / mma.m16n8k16), dtype, head dim,
 block_m x block_n, warps along M x along N, accumulator bits, softmax policy (``preg``: P stays
-in registers; ``psmem``: S and P go through shared memory).
+in registers; ``psmem``: S and P go through shared memory). Backward names
+(``bwd_sm80_f16_d128_m128n64_w8x1_acc32``) have the same fields but no softmax policy (P and dS
+always go through shared memory); their warps are the arrangement of the S = Q K^T product.
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ SOFTMAX = {"preg": "SoftmaxPolicy::kRegisters", "psmem": "SoftmaxPolicy::kShared
 
 @dataclass(frozen=True)
 class FwdEntry:
+    rules_header = "sparktune/fwd_config.h"
+    launch_header = "sparktune/fwd_launch.h"
+    register_fn = "register_fwd"
+
     family: int
     dtype: str
     head_dim: int
@@ -46,6 +54,37 @@ class FwdEntry:
         return (
             f"FwdConfig<{self.family}, {DTYPES[self.dtype][1]}, {self.head_dim}, {self.block_m}, "
             f"{self.block_n}, {self.warps_m}, {self.warps_n}, {acc32}, {SOFTMAX[self.softmax]}>"
+        )
+
+
+@dataclass(frozen=True)
+class BwdEntry:
+    rules_header = "sparktune/bwd_config.h"
+    launch_header = "sparktune/bwd_launch.h"
+    register_fn = "register_bwd"
+
+    family: int
+    dtype: str
+    head_dim: int
+    block_m: int
+    block_n: int
+    warps_m: int
+    warps_n: int
+    accum: int
+
+    @property
+    def name(self) -> str:
+        return (
+            f"bwd_sm{self.family}_{self.dtype}_d{self.head_dim}_m{self.block_m}n{self.block_n}"
+            f"_w{self.warps_m}x{self.warps_n}_acc{self.accum}"
+        )
+
+    @property
+    def config_type(self) -> str:
+        acc32 = "true" if self.accum == 32 else "false"
+        return (
+            f"BwdConfig<{self.family}, {DTYPES[self.dtype][1]}, {self.head_dim}, {self.block_m}, "
+            f"{self.block_n}, {self.warps_m}, {self.warps_n}, {acc32}>"
         )
 
 
@@ -78,7 +117,36 @@ def forward_space() -> list[FwdEntry]:
     return entries
 
 
-def select(entries: list[FwdEntry], patterns: str | None) -> list[FwdEntry]:
+def _bwd_product(family, dtypes, head_dims, tiles, accums):
+    for dt, hd, (bm, bn, wm, wn), acc in itertools.product(dtypes, head_dims, tiles, accums):
+        yield BwdEntry(family, dt, hd, bm, bn, wm, wn, acc)
+
+
+def backward_space() -> list[BwdEntry]:
+    """Every declared backward configuration (valid or not; the C++ rules decide). Kept small:
+    each backward kernel takes minutes to compile."""
+    entries: list[BwdEntry] = []
+    # Ampere and later (m16n8k16): (block_m, block_n, warps along M, along N of S = Q K^T)
+    tiles80 = [(64, 64, 4, 1), (64, 128, 4, 2), (128, 64, 8, 1)]
+    entries += _bwd_product(80, ["f16"], [32, 64, 128], tiles80, [32])
+    entries += _bwd_product(80, ["bf16"], [64, 128], tiles80, [32])
+    entries += _bwd_product(80, ["f16"], [32, 64, 128], [(64, 64, 4, 1)], [16])
+    # Volta (m8n8k4): fp16 only, both accumulations, 96 KB of shared memory
+    entries += _bwd_product(70, ["f16"], [32, 64, 128], [(64, 64, 2, 1)], [32, 16])
+    names = [e.name for e in entries]
+    assert len(names) == len(set(names)), "duplicate configuration names"
+    return entries
+
+
+def full_space() -> list[FwdEntry | BwdEntry]:
+    """The forward and the backward space: what the generator builds."""
+    entries = [*forward_space(), *backward_space()]
+    names = [e.name for e in entries]
+    assert len(names) == len(set(names)), "duplicate configuration names"
+    return entries
+
+
+def select(entries: list, patterns: str | None) -> list:
     """Entries whose name matches any of the comma-separated shell patterns (all when empty)."""
     pats = [p.strip() for p in (patterns or "").split(",") if p.strip()]
     if not pats:

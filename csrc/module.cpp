@@ -11,6 +11,7 @@
 #include "sparktune/registry.h"
 
 namespace py = pybind11;
+using sparktune::BwdParams;
 using sparktune::FwdParams;
 using sparktune::KernelInfo;
 using sparktune::Registry;
@@ -79,6 +80,9 @@ void fwd(const std::string& name, uintptr_t q, uintptr_t k, uintptr_t v, uintptr
          uintptr_t stream) {
   const KernelInfo* info = Registry::instance().find(name);
   if (info == nullptr) throw std::invalid_argument("unknown kernel '" + name + "'");
+  if (info->launch == nullptr) {
+    throw std::invalid_argument("kernel '" + name + "' is a " + info->op + " kernel, not fwd");
+  }
   if (head_dim != info->head_dim) {
     throw std::invalid_argument("kernel '" + name + "' is built for head_dim " +
                                 std::to_string(info->head_dim) + ", got " +
@@ -121,6 +125,68 @@ void fwd(const std::string& name, uintptr_t q, uintptr_t k, uintptr_t v, uintptr
   }
 }
 
+
+void bwd(const std::string& name, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o,
+         uintptr_t lse, uintptr_t dout, uintptr_t dq, uintptr_t dk, uintptr_t dv,
+         uintptr_t dq_accum, uintptr_t dsum, int batch, int heads_q, int heads_kv, int seqlen_q,
+         int seqlen_k, int head_dim, Strides qs, Strides ks, Strides vs, Strides os, Strides dos,
+         Strides dqs, Strides dks, Strides dvs, double scale, bool causal, uintptr_t stream) {
+  const KernelInfo* info = Registry::instance().find(name);
+  if (info == nullptr) throw std::invalid_argument("unknown kernel '" + name + "'");
+  if (info->launch_bwd == nullptr) {
+    throw std::invalid_argument("kernel '" + name + "' is a " + info->op + " kernel, not bwd");
+  }
+  if (head_dim != info->head_dim) {
+    throw std::invalid_argument("kernel '" + name + "' is built for head_dim " +
+                                std::to_string(info->head_dim) + ", got " +
+                                std::to_string(head_dim));
+  }
+  if (batch < 1 || heads_q < 1 || heads_kv < 1 || seqlen_q < 1 || seqlen_k < 1 ||
+      heads_q % heads_kv != 0) {
+    throw std::invalid_argument("invalid sizes: batch, heads and seqlens must be positive and "
+                                "heads_q a multiple of heads_kv");
+  }
+  if (batch > 65535 || heads_q > 65535) {
+    throw std::invalid_argument("batch and heads_q must be at most 65535");
+  }
+  if (!(scale > 0.0) || !std::isfinite(scale)) {
+    throw std::invalid_argument("scale must be a finite positive number");
+  }
+  BwdParams p;
+  p.q = reinterpret_cast<const void*>(q);
+  p.k = reinterpret_cast<const void*>(k);
+  p.v = reinterpret_cast<const void*>(v);
+  p.o = reinterpret_cast<void*>(o);
+  p.lse = reinterpret_cast<float*>(lse);
+  p.dout = reinterpret_cast<const void*>(dout);
+  p.dq = reinterpret_cast<void*>(dq);
+  p.dk = reinterpret_cast<void*>(dk);
+  p.dv = reinterpret_cast<void*>(dv);
+  p.dq_accum = reinterpret_cast<float*>(dq_accum);
+  p.dsum = reinterpret_cast<float*>(dsum);
+  std::tie(p.q_batch_stride, p.q_head_stride, p.q_row_stride) = qs;
+  std::tie(p.k_batch_stride, p.k_head_stride, p.k_row_stride) = ks;
+  std::tie(p.v_batch_stride, p.v_head_stride, p.v_row_stride) = vs;
+  std::tie(p.o_batch_stride, p.o_head_stride, p.o_row_stride) = os;
+  std::tie(p.do_batch_stride, p.do_head_stride, p.do_row_stride) = dos;
+  std::tie(p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride) = dqs;
+  std::tie(p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride) = dks;
+  std::tie(p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride) = dvs;
+  p.batch = batch;
+  p.heads_q = heads_q;
+  p.heads_kv = heads_kv;
+  p.group = heads_q / heads_kv;
+  p.seqlen_q = seqlen_q;
+  p.seqlen_k = seqlen_k;
+  p.head_dim = head_dim;
+  p.scale = static_cast<float>(scale);
+  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  p.causal = causal;
+  cudaError_t err = info->launch_bwd(p, reinterpret_cast<cudaStream_t>(stream));
+  if (err != cudaSuccess) {
+    throw std::runtime_error("kernel '" + name + "' failed to launch: " + cudaGetErrorString(err));
+  }
+}
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -155,4 +221,11 @@ PYBIND11_MODULE(_C, m) {
         py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"), py::arg("q_strides"),
         py::arg("k_strides"), py::arg("v_strides"), py::arg("o_strides"), py::arg("scale"),
         py::arg("causal"), py::arg("stream"));
+  m.def("bwd", &bwd, py::arg("name"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
+        py::arg("lse"), py::arg("dout"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
+        py::arg("dq_accum"), py::arg("dsum"), py::arg("batch"), py::arg("heads_q"),
+        py::arg("heads_kv"), py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"),
+        py::arg("q_strides"), py::arg("k_strides"), py::arg("v_strides"), py::arg("o_strides"),
+        py::arg("dout_strides"), py::arg("dq_strides"), py::arg("dk_strides"),
+        py::arg("dv_strides"), py::arg("scale"), py::arg("causal"), py::arg("stream"));
 }

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "csrc"))
 from kernel_space import forward_space, select  # noqa: E402
 
 _C, _C_ERR = load_extension()
-KERNELS = [k["name"] for k in _C.kernels()] if _C is not None else []
+KERNELS = [k["name"] for k in _C.kernels() if k["op"] == "fwd"] if _C is not None else []
 needs_ext = pytest.mark.skipif(_C is None, reason=f"sparktune._C not built: {_C_ERR}")
 
 

@@ -67,6 +67,18 @@ class SparkBackend(Backend):
         (70, 128): (64, 32, 2),
     }
 
+    # Backward defaults per (family, head_dim): (block_m, block_n, warps_m) of the bwd family,
+    # chosen by register budget (dK and dV stay in registers for a whole key block), not yet by
+    # measurement; the tuner replaces them per shape.
+    _BWD_DEFAULTS = {
+        (80, 32): (64, 128, 4),
+        (80, 64): (64, 128, 4),
+        (80, 128): (128, 64, 8),
+        (70, 32): (64, 64, 2),
+        (70, 64): (64, 64, 2),
+        (70, 128): (64, 64, 2),
+    }
+
     def __init__(self) -> None:
         self._kernels: dict[str, dict[str, Any]] | None = None
 
@@ -132,14 +144,16 @@ class SparkBackend(Backend):
             return head
         if device is None:
             return ["needs CUDA tensors (the inputs are on the CPU)"]
-        if problem.op != "fwd":
-            return [f"no {problem.op} kernels in the spark family yet"]
         cat = self._catalogue()
         if config is not None:
             if config not in cat:
                 return [f"unknown spark kernel {config!r} (not compiled; `sparktune info` lists them)"]
+            if cat[config]["op"] != problem.op:
+                return [f"{config} is a {cat[config]['op']} kernel, the problem is {problem.op}"]
             return self._config_reasons(problem, cat[config], device)
         fwd = [k for k in cat.values() if k["op"] == problem.op]
+        if not fwd:
+            return [f"no {problem.op} kernel compiled (SPARKTUNE_KERNELS filter)"]
         if not any(k["dtype"] == problem.dtype for k in fwd):
             return [f"no compiled kernel for {problem.dtype}"]
         dims = sorted({k["head_dim"] for k in fwd if k["dtype"] == problem.dtype})
@@ -167,7 +181,8 @@ class SparkBackend(Backend):
             return None
         cat = self._catalogue()
         family = 70 if device is not None and device.arch < 80 else 80
-        want = self._DEFAULTS.get((family, problem.head_dim))
+        defaults = self._BWD_DEFAULTS if problem.op == "bwd" else self._DEFAULTS
+        want = defaults.get((family, problem.head_dim))
 
         def score(name: str) -> tuple:
             k = cat[name]
@@ -223,3 +238,65 @@ class SparkBackend(Backend):
                 float(scale), bool(causal), stream,
             )
         return lse
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dq: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        *,
+        config: str,
+        causal: bool,
+        scale: float,
+    ) -> None:
+        """Write the gradients of attention(q, k, v) for ``dout`` into dq, dk, dv (any strides
+        with a contiguous last dimension; GQA: dk and dv have k's heads). ``out`` and ``lse`` are
+        the forward's. Two fp32 workspaces are allocated per call: the dQ sum (q's size) and
+        D = rowsum(dout * out)."""
+        import torch
+
+        mod, err = load_extension()
+        if mod is None:
+            raise RuntimeError(err)
+        b, hq, nq, d = q.shape
+        hk, nk = k.shape[1], k.shape[2]
+        tensors = (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("dq", dq),
+                   ("dk", dk), ("dv", dv))
+        for name, t in tensors:
+            if t.dtype != q.dtype or t.device != q.device:
+                raise ValueError(f"{name} is {t.dtype} on {t.device}, q is {q.dtype} on {q.device}")
+            if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]) or t.stride(-1) != 1:
+                raise ValueError(
+                    f"spark kernels need 16-byte aligned rows: {name}'s data pointer and its batch, "
+                    f"head and row strides must be multiples of 8 elements and its last dimension "
+                    f"contiguous (strides {tuple(t.stride())})"
+                )
+        for name, t, shape in (("out", out, q.shape), ("dout", dout, q.shape), ("dq", dq, q.shape),
+                               ("dk", dk, k.shape), ("dv", dv, v.shape)):
+            if tuple(t.shape) != tuple(shape):
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+        if tuple(lse.shape) != (b, hq, nq) or lse.dtype != torch.float32:
+            raise ValueError(f"lse must be float32 of shape {(b, hq, nq)}, got {lse.dtype} "
+                             f"{tuple(lse.shape)}")
+        if not (scale > 0 and math.isfinite(scale)):
+            raise ValueError(f"scale must be a finite positive number, got {scale!r}")
+        lse = lse.contiguous()
+        dq_accum = torch.empty((b, hq, nq, d), device=q.device, dtype=torch.float32)
+        dsum = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        with torch.cuda.device(q.device):
+            mod.bwd(
+                config, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                dout.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                dq_accum.data_ptr(), dsum.data_ptr(),
+                b, hq, hk, nq, nk, d,
+                q.stride()[:3], k.stride()[:3], v.stride()[:3], out.stride()[:3],
+                dout.stride()[:3], dq.stride()[:3], dk.stride()[:3], dv.stride()[:3],
+                float(scale), bool(causal), stream,
+            )

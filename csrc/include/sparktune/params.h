@@ -31,4 +31,22 @@ struct FwdParams {
   bool causal = false;     // bottom-right aligned: row i sees col j iff j <= i + seqlen_k - seqlen_q
 };
 
+// The backward kernels read the forward's inputs, output and log-sum-exp (the FwdParams part)
+// plus the output gradient, and write dq/dk/dv. dq is summed over key blocks in an fp32
+// workspace with atomics, then converted; dk/dv (batch, heads_kv, seqlen_k, head_dim) are
+// written once per key block.
+struct BwdParams : FwdParams {
+  const void* dout = nullptr;
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  float* dq_accum = nullptr;  // (batch, heads_q, seqlen_q, head_dim) fp32, contiguous
+  float* dsum = nullptr;      // (batch, heads_q, seqlen_q) fp32: D = rowsum(dout * o)
+
+  int64_t do_batch_stride = 0, do_head_stride = 0, do_row_stride = 0;
+  int64_t dq_batch_stride = 0, dq_head_stride = 0, dq_row_stride = 0;
+  int64_t dk_batch_stride = 0, dk_head_stride = 0, dk_row_stride = 0;
+  int64_t dv_batch_stride = 0, dv_head_stride = 0, dv_row_stride = 0;
+};
+
 }  // namespace sparktune

@@ -13,6 +13,8 @@ namespace sparktune {
 constexpr int kMaxDevices = 64;
 
 using FwdLaunchFn = cudaError_t (*)(FwdParams const&, cudaStream_t);
+// the whole backward: preprocess, main kernel and dQ conversion, in order on the stream
+using BwdLaunchFn = cudaError_t (*)(BwdParams const&, cudaStream_t);
 
 struct KernelInfo {
   std::string name;
@@ -24,7 +26,8 @@ struct KernelInfo {
   int accum = 32;
   std::string softmax;
   int threads = 0, smem_bytes = 0, min_arch = 0;
-  FwdLaunchFn launch = nullptr;
+  FwdLaunchFn launch = nullptr;      // op "fwd"
+  BwdLaunchFn launch_bwd = nullptr;  // op "bwd"
 };
 
 struct ExcludedKernel {
