@@ -250,3 +250,41 @@ def test_check_passes_on_small_kernels(tmp_path):
     assert again.returncode == 0 and again.stdout == res.stdout
     report = json.loads((tmp_path / "report.json").read_text())
     assert all(k["cached"] for k in report["kernels"])
+
+
+# ---------------------------------------------------------------- the docs tables and the model
+_rspec = importlib.util.spec_from_file_location("sm70_report_md", ROOT / "tools" / "sm70" / "report_md.py")
+report_md = importlib.util.module_from_spec(_rspec)
+sys.modules["sm70_report_md"] = report_md
+_rspec.loader.exec_module(report_md)
+
+
+def _kernel(name, regs, smem, threads, passed=True):
+    r = _result(name=name, registers=regs, dynamic_smem=smem, threads=threads)
+    r.passed = passed
+    d = check.asdict(r) | {"params": check.parse_kernel_name(name)}
+    return d
+
+
+def test_model_prefers_enough_warps_then_large_block_m():
+    # per 4-step of k, a thread loads 8 B of A per 32 rows and 8 B of B per 8 columns
+    p = check.parse_kernel_name("fwd_sm70_f16_d64_m64n64_w2x1_acc32_psmem")
+    assert report_md.smem_bytes_per_fma(p) == pytest.approx(32 * 8 * (1 + 8) / (32 * 64 * 4))
+    assert report_md.acc_elems_per_thread(p) == 32 * 128 // 32
+    kernels = [
+        _kernel("fwd_sm70_f16_d64_m32n32_w1x1_acc32_psmem", 128, 20000, 32),   # 4 warps/SM
+        _kernel("fwd_sm70_f16_d64_m64n64_w2x1_acc32_psmem", 128, 40000, 64),   # 4 warps/SM
+        _kernel("fwd_sm70_f16_d64_m64n32_w2x1_acc32_psmem", 128, 20000, 64),   # 8 warps/SM
+        _kernel("fwd_sm70_f16_d64_m128n64_w4x1_acc32_psmem", 255, 90000, 128, passed=False),
+        _kernel("fwd_sm70_f16_d64_m64n32_w2x1_acc16_psmem", 100, 20000, 64),   # fp16: not a default
+    ]
+    ranked = report_md.rank(kernels, 64)
+    assert [k["name"] for k in ranked] == [
+        "fwd_sm70_f16_d64_m64n32_w2x1_acc32_psmem",
+        "fwd_sm70_f16_d64_m64n64_w2x1_acc32_psmem",
+        "fwd_sm70_f16_d64_m32n32_w1x1_acc32_psmem",
+    ]
+    rep = {"kernels": kernels, "passed": 4, "failed": 1, "excluded": [], "toolchain": {}}
+    text = report_md.render(rep)
+    assert "| 64 | `fwd_sm70_f16_d64_m64n32_w2x1_acc32_psmem` | 64, 32, 2, 1 |" in text
+    assert "a model, not a measurement" in text

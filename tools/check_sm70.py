@@ -477,6 +477,18 @@ def generate(nvcc: Path, includes: list[Path], patterns: str | None, out: Path) 
     return [sources[n] for n in names], table
 
 
+def git_head() -> str:
+    """The checkout's commit, with "+dirty" when csrc/ differs from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "csrc"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def header_digest(include_dir: Path) -> str:
     h = hashlib.sha256()
     for p in sorted(include_dir.rglob("*")):
@@ -557,7 +569,7 @@ CACHED_FIELDS = ("ok_build", "error", "registers", "spill_stores", "spill_loads"
 
 def run_check(sources: list[Path], table: dict, tc: Toolchain, jobs: int, cache: Path | None,
               keep: Path | None, progress=None) -> list[KernelResult]:
-    headers = header_digest(ROOT / "csrc" / "include")
+    headers = header_digest(tc.includes[-1])
     results: dict[str, KernelResult] = {}
     todo: list[tuple[Path, Path | None]] = []
     for src in sources:
@@ -649,7 +661,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"check_sm70: cannot run: {e}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="sparktune-sm70-gen-") as gen:
-        sources, table = generate(tc.nvcc, tc.includes, args.filter, Path(gen))
+        # compile against a snapshot of the kernel headers, so that edits made while the
+        # check runs can neither mix into its results nor into its cache keys
+        snapshot = Path(gen) / "include"
+        shutil.copytree(ROOT / "csrc" / "include", snapshot)
+        tc.includes[-1] = snapshot
+        sources, table = generate(tc.nvcc, tc.includes, args.filter, Path(gen) / "kernels")
+        headers = header_digest(snapshot)
         excluded = sorted(n for n, (valid, *_rest) in table.items()
                           if not valid and fnmatch.fnmatchcase(n, SM70_NAME))
         progress(f"check_sm70: {len(sources)} Volta kernels to check, {len(excluded)} excluded by "
@@ -682,6 +700,7 @@ def main(argv: list[str] | None = None) -> int:
                           "nvdisasm": release_line(tc.nvdisasm) if tc.nvdisasm else None,
                           "nvdisasm_missing": tc.nvdisasm_why or None,
                           "ptx_isa": tc.isa, "cutlass": cutlass_version()},
+            "source": {"git_head": git_head(), "kernel_headers_sha256": headers},
             "kernels": [asdict(r) | {"params": parse_kernel_name(r.name)} for r in results],
             "excluded": [{"name": n, "reason": table[n][3]} for n in excluded],
             "passed": n_pass, "failed": n_fail,

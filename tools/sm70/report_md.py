@@ -54,6 +54,12 @@ def kv_bytes_per_fma(p: dict) -> float:
     return 2.0 / p["block_m"]
 
 
+def acc_elems_per_thread(p: dict) -> int:
+    """Accumulator elements (S and O) each thread holds: the register floor of a configuration."""
+    rows = p["block_m"] // p["warps_m"]
+    return rows * (p["block_n"] + p["head_dim"]) // p["warps_n"] // 32
+
+
 def config_key(p: dict) -> tuple:
     return (p["block_m"], p["block_n"], p["warps_m"], p["warps_n"])
 
@@ -75,15 +81,16 @@ def rank(kernels: list[dict], head_dim: int) -> list[dict]:
 
 
 def report_table(rep: dict) -> list[str]:
-    out = ["| kernel | regs | spill st/ld | smem static | smem dyn | mma.m8n8k4 (PTX) | "
-           "HMMA.884 (SASS) | blocks/SM | occupancy | limited by | result |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    out = ["| kernel | acc elems/thread | regs | spill st/ld | stack | smem static | smem dyn | "
+           "mma.m8n8k4 (PTX) | HMMA.884 (SASS) | blocks/SM | occupancy | limited by | result |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for k in rep["kernels"]:
         occ = k.get("occupancy") or {}
         res = "PASS" if k["passed"] else "FAIL: " + "; ".join(k["reasons"])
         hmma = "n/a" if k["sass_hmma"] is None else k["sass_hmma"]
         out.append(
-            f"| `{k['name']}` | {k['registers']} | {k['spill_stores']}/{k['spill_loads']} | "
+            f"| `{k['name']}` | {acc_elems_per_thread(k['params']) if k['params'] else '?'} | "
+            f"{k['registers']} | {k['spill_stores']}/{k['spill_loads']} | {k['stack_frame']} | "
             f"{k['static_smem']} | {k['dynamic_smem']} | {k['ptx_mma']} | {hmma} | "
             f"{occ.get('blocks_per_sm', '?')} | {occ.get('occupancy', 0):.1%} | "
             f"{occ.get('limited_by', '?')} | {res} |")
