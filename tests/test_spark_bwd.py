@@ -108,6 +108,21 @@ def _runnable(b: SparkBackend, name: str) -> tuple[dict, torch.dtype, int, float
     return k, DTYPES[k["dtype"]], k["head_dim"], factor
 
 
+def _acc16_floor(name, b, dout, q, k, v, causal, scale) -> float:
+    """The absolute floor of the error rule: 1e-5 for fp32 accumulation. With fp16 accumulation,
+    dP = dO V^T is rounded to 11 bits before D = rowsum(dO * O) (fp32) is subtracted, so even a
+    gradient whose exact value is 0 (one key: dq = dk = 0) carries an error of the order of
+    eps16 times the gradients' natural size, max |dv| (dv = P^T dO); PyTorch's own error there is
+    0, so the 16x factor alone would demand exactness. Measured on an H200: 0.0019 with one key
+    and |dv| up to about 3."""
+    if b.kernel_info(name)["accum"] != 16:
+        return 1e-5
+    from sparktune.backends.reference import reference_attention_backward
+
+    _, _, dv = reference_attention_backward(dout, q, k, v, causal=causal, scale=scale)
+    return float(torch.finfo(q.dtype).eps * dv.abs().max()) + 1e-5
+
+
 def _forward(q, k, v, causal, scale):
     """The forward's output (rounded to the input dtype) and float32 log-sum-exp, from float64."""
     out, lse = reference_attention(q, k, v, causal=causal, scale=scale)
@@ -144,8 +159,9 @@ def test_kernel_gradients_match_float64_reference(name):
         grads = _backward(b, name, dout, q, k, v, out, lse, causal, scale)
         for g, what in zip(grads, ("dq", "dk", "dv"), strict=True):
             assert not torch.isnan(g).any(), f"{name}: unwritten or NaN {what} at {shape}"
+        floor = _acc16_floor(name, b, dout, q, k, v, causal, scale)
         tols = assert_grads_close_to_reference(grads, q, k, v, dout, causal=causal, scale=scale,
-                                               factor=factor, what=f"{name} {shape}")
+                                               factor=factor, floor=floor, what=f"{name} {shape}")
         results += tols
         again = _backward(b, name, dout, q, k, v, out, lse, causal, scale)
         assert torch.equal(grads[1], again[1]) and torch.equal(grads[2], again[2]), (
@@ -157,7 +173,7 @@ def test_kernel_gradients_match_float64_reference(name):
             f"{name}: dq moved by {dq_move:.3g} between runs at {shape} (|dq| up to {dq_size:.3g})"
         )
         again_tols = assert_grads_close_to_reference(again, q, k, v, dout, causal=causal,
-                                                     scale=scale, factor=factor)
+                                                     scale=scale, factor=factor, floor=floor)
         assert abs(again_tols[0].error - tols[0].error) <= 2 * eps * dq_size + 1e-6
     print("\n".join(str(t) for t in results))
 
@@ -182,8 +198,9 @@ def test_kernel_strided_layouts_and_scale(name):
         bufs = [torch.full((bs, n, h, 2 * d), float("nan"), device="cuda", dtype=dtype) for _ in range(3)]
         grads = tuple(buf[..., :d].transpose(1, 2) for buf in bufs)
         _backward(b, name, dout, q, k, v, out, lse, causal, 0.3, grads=grads)
+        floor = _acc16_floor(name, b, dout, q, k, v, causal, 0.3)
         assert_grads_close_to_reference(grads, q, k, v, dout, causal=causal, scale=0.3,
-                                        factor=factor, what=f"{name} strided causal={causal}")
+                                        factor=factor, floor=floor, what=f"{name} strided causal={causal}")
         for buf in bufs:
             assert torch.isnan(buf[..., d:]).all(), "wrote outside the gradient views"
 
