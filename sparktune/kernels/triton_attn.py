@@ -12,7 +12,7 @@ A row that sees no key has output 0, log-sum-exp -inf and zero gradients.
 Scores are kept in base 2: ``qk_scale = scale * log2(e)`` folds the softmax scale into the
 exponent, and only the stored log-sum-exp is converted back to natural log.
 
-Interpreter: Triton decides at import time whether ``@triton.jit`` builds GPU kernels or
+Interpreter: Triton decides when it is imported whether ``@triton.jit`` builds GPU kernels or
 interpreted ones (environment variable ``TRITON_INTERPRET=1``); with the interpreter the same
 code runs on CPU tensors (slowly: tests only).
 """
@@ -50,7 +50,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _fix_interpreter() -> None:
-    """Work around two defects of Triton 3.6's CPU interpreter (interpreter only; each fix is
+    """Work around three defects of Triton 3.6's CPU interpreter (interpreter only; each fix is
     applied once and only where the defect shows):
 
     - scalars are 1-element arrays turned into loop bounds with ``int(array)``, which NumPy
