@@ -89,6 +89,32 @@ def test_ptx_isa_of_the_cuda12_assembler():
 
 
 # ---------------------------------------------------------------- ptxas log, PTX and SASS
+# an entry calling a lambda that was not inlined: its frame is the entry's local memory
+PTXAS_LOG_CALL = """ptxas-12.9 info    : 11 bytes gmem, 88 bytes cmem[4]
+ptxas-12.9 info    : Compiling entry function '_Z1kv' for 'sm_70'
+ptxas-12.9 info    : Function properties for _Z1kv
+    2432 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas-12.9 info    : Used 64 registers, used 1 barriers, 2432 bytes cumulative stack size, 528 bytes cmem[0]
+ptxas-12.9 info    : Compile time = 18007.029 ms
+ptxas-12.9 info    : Function properties for _ZZ1kvENKUliT_E_clIiEEDaiS_
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+"""
+
+
+def test_parse_ptxas_log_keeps_a_called_function_apart():
+    k, f = check.parse_ptxas_log(PTXAS_LOG_CALL)
+    assert (k.name, k.entry, k.registers, k.stack_frame, k.cumulative_stack) == (
+        "_Z1kv", True, 64, 2432, 2432)
+    assert (f.entry, f.stack_frame, f.registers) == (False, 0, 0)
+    r = check.KernelResult(NAME, ok_build=True, ptxas_log=PTXAS_LOG_CALL, dynamic_smem=41216,
+                           threads=64, ptx_mma=256, sass_hmma=1024)
+    assert check.apply_ptxas_log(r)
+    assert (r.registers, r.stack_frame, r.spill_stores, r.calls) == (64, 2432, 0, [f.name])
+    check.judge(r)
+    assert not r.passed
+    assert r.reasons == ["local memory: 2432 B stack frame (calls 1 function(s) not inlined)"]
+
+
 def test_parse_ptxas_log_per_entry():
     a, b = check.parse_ptxas_log(PTXAS_LOG)
     assert (a.name, a.registers, a.static_smem, a.spill_stores, a.spill_loads, a.barriers) == (
@@ -146,7 +172,9 @@ def test_exactly_96kb_passes_and_step_mismatch_is_a_note():
     r = _result(sass_hmma=1000)
     assert r.passed and any("4 steps" in n for n in r.notes)
     r = _result(stack_frame=32)
-    assert r.passed and any("stack frame" in n for n in r.notes)
+    assert not r.passed and r.reasons == ["local memory: 32 B stack frame (local arrays)"]
+    r = _result(stack_frame=32, spill_stores=8, spill_loads=8)  # spill space: one reason
+    assert r.reasons == ["spills 8 B stores / 8 B loads"]
 
 
 def test_format_and_parse_line_round_trip():
@@ -155,12 +183,12 @@ def test_format_and_parse_line_round_trip():
     assert line.endswith(" PASS")
     d = check.parse_line(line)
     assert d == {"name": NAME, "registers": 215, "spill_stores": 0, "spill_loads": 0,
-                 "static_smem": 0, "dynamic_smem": 41216, "ptx_mma": 256, "sass_hmma": 1024,
+                 "stack_frame": 0, "static_smem": 0, "dynamic_smem": 41216, "ptx_mma": 256, "sass_hmma": 1024,
                  "occupancy": "6%", "passed": True, "reasons": "", "notes": ""}
 
     r = _result(spill_stores=8, spill_loads=4, sass_hmma=None, stack_frame=16)
     d = check.parse_line(check.format_line(r))
-    assert d["passed"] is False and d["sass_hmma"] is None
+    assert d["passed"] is False and d["sass_hmma"] is None and d["stack_frame"] == 16
     assert d["reasons"] == "spills 8 B stores / 4 B loads"
     assert (d["spill_stores"], d["spill_loads"]) == (8, 4)
     assert "n/a" in check.format_line(r)
@@ -234,6 +262,7 @@ def test_check_passes_on_small_kernels(tmp_path):
     assert sorted(d["name"] for d in rows) == sorted(SMALL.split(","))
     for d in rows:
         assert d["passed"] and d["registers"] and d["spill_stores"] == 0 and d["spill_loads"] == 0
+        assert d["stack_frame"] == 0
         assert d["dynamic_smem"] == 12928 and d["ptx_mma"] > 0
         if d["sass_hmma"] is not None:  # m8n8k4 is 2 (f16) or 4 (f32 accumulation) HMMA steps
             assert d["sass_hmma"] == (2 if "acc16" in d["name"] else 4) * d["ptx_mma"]

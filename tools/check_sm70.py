@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECK_VERSION = "1"  # bump when flags or parsing change: invalidates the cache
+CHECK_VERSION = "2"  # bump when flags or parsing change: invalidates the cache
 
 PTXAS_WHEEL = ("nvidia-cuda-nvcc-cu12", "12.9.86", "nvidia/cuda_nvcc/bin/ptxas")
 NVDISASM_WHEEL = ("triton", "3.3.1", "triton/backends/nvidia/bin/nvdisasm")
@@ -119,42 +119,56 @@ def parse_tool_version(text: str) -> tuple[int, int] | None:
 
 @dataclass
 class EntryStats:
-    """What ptxas -v says about one entry function."""
+    """What ptxas -v says about one function (an entry, or a device function it calls)."""
 
     name: str
+    entry: bool = True
     registers: int = 0
     static_smem: int = 0
     stack_frame: int = 0
+    cumulative_stack: int = 0  # with the callees' frames (entries only)
     spill_stores: int = 0
     spill_loads: int = 0
     barriers: int = 0
 
 
 def parse_ptxas_log(log: str) -> list[EntryStats]:
-    """Per-entry statistics from the output of ``ptxas -v`` (one record per entry function)."""
-    entries: list[EntryStats] = []
+    """Per-function statistics from the output of ``ptxas -v``.
+
+    ptxas prints, per entry, "Compiling entry function 'X'", then "Function properties for X"
+    with its stack frame and spills, then "Used N registers ...". A device function that was
+    not inlined gets a "Function properties for Y" block of its own, which must not be read as
+    the entry's.
+    """
+    funcs: dict[str, EntryStats] = {}
+    last_entry: EntryStats | None = None
     current: EntryStats | None = None
     for line in log.splitlines():
         m = re.search(r"Compiling entry function '([^']+)'", line)
         if m:
-            current = EntryStats(m.group(1))
-            entries.append(current)
+            last_entry = funcs.setdefault(m.group(1), EntryStats(m.group(1)))
+            last_entry.entry = True
+            current = last_entry
             continue
-        if current is None:
+        m = re.search(r"Function properties for (\S+)", line)
+        if m:
+            current = funcs.setdefault(m.group(1), EntryStats(m.group(1), entry=False))
             continue
         m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
                       line)
-        if m:
+        if m and current is not None:
             current.stack_frame, current.spill_stores, current.spill_loads = map(int, m.groups())
             continue
         m = re.search(r"Used (\d+) registers", line)
-        if m:
-            current.registers = int(m.group(1))
+        if m and last_entry is not None:
+            last_entry.registers = int(m.group(1))
             b = re.search(r"used (\d+) barriers", line)
-            current.barriers = int(b.group(1)) if b else 0
+            last_entry.barriers = int(b.group(1)) if b else 0
             s = re.search(r"(\d+) bytes smem", line)
-            current.static_smem = int(s.group(1)) if s else 0
-    return entries
+            last_entry.static_smem = int(s.group(1)) if s else 0
+            c = re.search(r"(\d+) bytes cumulative stack size", line)
+            last_entry.cumulative_stack = int(c.group(1)) if c else 0
+    return list(funcs.values())
 
 
 def count_ptx_mma(ptx: str) -> int:
@@ -223,6 +237,8 @@ class KernelResult:
     ptx_mma: int | None = None
     sass_hmma: int | None = None  # None: no CUDA 12.x nvdisasm at hand
     entries: list[dict] = field(default_factory=list)
+    calls: list[str] = field(default_factory=list)  # device functions not inlined
+    ptxas_log: str = ""
     seconds: float = 0.0
     cached: bool = False
     passed: bool = False
@@ -253,7 +269,8 @@ def judge(r: KernelResult) -> KernelResult:
         if r.sass_hmma == 0 and r.ptx_mma:
             reasons.append("no HMMA.884 in the SASS")
         if r.stack_frame and not spill:
-            notes.append(f"{r.stack_frame} B stack frame (local memory)")
+            what = f"calls {len(r.calls)} function(s) not inlined" if r.calls else "local arrays"
+            reasons.append(f"local memory: {r.stack_frame} B stack frame ({what})")
         if r.registers is not None and r.threads:
             r.occupancy = v100_occupancy(r.registers, smem, r.threads)
     r.reasons, r.notes = reasons, notes
@@ -271,13 +288,14 @@ def format_line(r: KernelResult, width: int = 44) -> str:
     verdict = "PASS" if r.passed else "FAIL: " + "; ".join(r.reasons)
     if r.notes:
         verdict += "  (" + "; ".join(r.notes) + ")"
-    return (f"{r.name:<{width}} regs={num(r.registers):>3} spill={spill:<5} "
+    return (f"{r.name:<{width}} regs={num(r.registers):>3} spill={spill:<11} "
+            f"stack={num(r.stack_frame):>5} "
             f"smem_static={num(r.static_smem):>5} smem_dyn={num(r.dynamic_smem):>5} "
             f"mma_m8n8k4={num(r.ptx_mma):>4} hmma_884={hmma:>4} occ={occ:>4} {verdict}")
 
 
 _LINE = re.compile(
-    r"^(?P<name>\S+)\s+regs=\s*(?P<regs>\S+) spill=(?P<spill>\S+)\s+"
+    r"^(?P<name>\S+)\s+regs=\s*(?P<regs>\S+) spill=(?P<spill>\S+)\s+stack=\s*(?P<stack>\S+) "
     r"smem_static=\s*(?P<smem_static>\S+) smem_dyn=\s*(?P<smem_dyn>\S+) "
     r"mma_m8n8k4=\s*(?P<mma>\S+) hmma_884=\s*(?P<hmma>\S+) occ=\s*(?P<occ>\S+) "
     r"(?P<verdict>PASS|FAIL)(?::\s*(?P<reasons>.*?))?(?:\s+\((?P<notes>.*)\))?$"
@@ -297,7 +315,7 @@ def parse_line(line: str) -> dict | None:
 
     stores, loads = (None, None) if d["spill"] == "?" else map(int, d["spill"].split("/"))
     return {"name": d["name"], "registers": num(d["regs"]), "spill_stores": stores,
-            "spill_loads": loads, "static_smem": num(d["smem_static"]),
+            "spill_loads": loads, "stack_frame": num(d["stack"]), "static_smem": num(d["smem_static"]),
             "dynamic_smem": num(d["smem_dyn"]), "ptx_mma": num(d["mma"]),
             "sass_hmma": num(d["hmma"]), "occupancy": d["occ"],
             "passed": d["verdict"] == "PASS", "reasons": d["reasons"] or "",
@@ -498,6 +516,22 @@ def header_digest(include_dir: Path) -> str:
     return h.hexdigest()
 
 
+def apply_ptxas_log(r: KernelResult) -> bool:
+    """Fill registers, spills, stack and static shared memory from ``r.ptxas_log``."""
+    funcs = parse_ptxas_log(r.ptxas_log)
+    entries = [f for f in funcs if f.entry]
+    if not entries:
+        return False
+    r.entries = [asdict(f) for f in funcs]
+    r.registers = max(e.registers for e in entries)
+    r.static_smem = max(e.static_smem for e in entries)
+    r.stack_frame = max([e.cumulative_stack for e in entries] + [f.stack_frame for f in funcs])
+    r.spill_stores = sum(f.spill_stores for f in funcs)
+    r.spill_loads = sum(f.spill_loads for f in funcs)
+    r.calls = sorted(f.name for f in funcs if not f.entry)
+    return True
+
+
 def compile_one(src: Path, tc: Toolchain, workdir: Path, keep: Path | None) -> KernelResult:
     name = src.stem
     r = KernelResult(name)
@@ -528,16 +562,10 @@ def compile_one(src: Path, tc: Toolchain, workdir: Path, keep: Path | None) -> K
         r.error = f"ptxas: {log.strip()}"
         r.seconds = time.monotonic() - t0
         return r
-    entries = parse_ptxas_log(log)
-    if not entries:
+    r.ptxas_log = log
+    if not apply_ptxas_log(r):
         r.error = "ptxas: no entry function in the log"
         return r
-    r.entries = [asdict(e) for e in entries]
-    r.registers = max(e.registers for e in entries)
-    r.static_smem = max(e.static_smem for e in entries)
-    r.stack_frame = max(e.stack_frame for e in entries)
-    r.spill_stores = sum(e.spill_stores for e in entries)
-    r.spill_loads = sum(e.spill_loads for e in entries)
     if tc.nvdisasm is not None:
         res = subprocess.run([str(tc.nvdisasm), "-c", str(cubin)], capture_output=True, text=True)
         if res.returncode == 0:
@@ -563,8 +591,15 @@ def cache_key(src: Path, tc: Toolchain, headers: str) -> str:
     return h.hexdigest()
 
 
-CACHED_FIELDS = ("ok_build", "error", "registers", "spill_stores", "spill_loads", "stack_frame",
-                 "static_smem", "ptx_mma", "sass_hmma", "entries", "seconds")
+CACHED_FIELDS = ("ok_build", "error", "ptxas_log", "ptx_mma", "sass_hmma", "seconds")
+
+
+def from_cache(name: str, key_file: Path) -> KernelResult:
+    """A cached result; the ptxas numbers are parsed again from the cached log."""
+    data = json.loads(key_file.read_text())
+    r = KernelResult(name, cached=True, **{k: data[k] for k in CACHED_FIELDS})
+    apply_ptxas_log(r)
+    return r
 
 
 def run_check(sources: list[Path], table: dict, tc: Toolchain, jobs: int, cache: Path | None,
@@ -577,18 +612,14 @@ def run_check(sources: list[Path], table: dict, tc: Toolchain, jobs: int, cache:
         if cache is not None:
             key_file = cache / "sm70" / f"{cache_key(src, tc, headers)}.json"
             if keep is None and key_file.is_file():
-                data = json.loads(key_file.read_text())
-                r = KernelResult(src.stem, cached=True, **{k: data[k] for k in CACHED_FIELDS})
-                results[src.stem] = r
+                results[src.stem] = from_cache(src.stem, key_file)
                 continue
         todo.append((src, key_file))
 
     def work(item):
         src, key_file = item
         if key_file is not None and keep is None and key_file.is_file():
-            # another run finished it meanwhile
-            data = json.loads(key_file.read_text())
-            return KernelResult(src.stem, cached=True, **{k: data[k] for k in CACHED_FIELDS})
+            return from_cache(src.stem, key_file)  # another run finished it meanwhile
         with tempfile.TemporaryDirectory(prefix=f"sm70-{src.stem}-") as tmp:
             r = compile_one(src, tc, Path(tmp), keep / src.stem if keep else None)
         if key_file is not None and r.ok_build:
@@ -664,6 +695,7 @@ def main(argv: list[str] | None = None) -> int:
         # compile against a snapshot of the kernel headers, so that edits made while the
         # check runs can neither mix into its results nor into its cache keys
         snapshot = Path(gen) / "include"
+        source_rev = git_head()
         shutil.copytree(ROOT / "csrc" / "include", snapshot)
         tc.includes[-1] = snapshot
         sources, table = generate(tc.nvcc, tc.includes, args.filter, Path(gen) / "kernels")
@@ -700,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
                           "nvdisasm": release_line(tc.nvdisasm) if tc.nvdisasm else None,
                           "nvdisasm_missing": tc.nvdisasm_why or None,
                           "ptx_isa": tc.isa, "cutlass": cutlass_version()},
-            "source": {"git_head": git_head(), "kernel_headers_sha256": headers},
+            "source": {"git_head": source_rev, "kernel_headers_sha256": headers},
             "kernels": [asdict(r) | {"params": parse_kernel_name(r.name)} for r in results],
             "excluded": [{"name": n, "reason": table[n][3]} for n in excluded],
             "passed": n_pass, "failed": n_fail,
