@@ -469,11 +469,31 @@ class Toolchain:
     fingerprint: str  # hashes into every cache key
 
 
-def generate(nvcc: Path, includes: list[Path], patterns: str | None, out: Path) -> tuple[
-        list[Path], dict[str, tuple[bool, int, int, str]]]:
+def snapshot_csrc(dest: Path, rev: str | None) -> str:
+    """Copy csrc/ (the space, the generator and the kernel headers) to ``dest``, from the working
+    tree or from a git revision, so that edits made while the check runs can neither mix into
+    its results nor into its cache keys. Returns what was copied (a commit, maybe "+dirty")."""
+    if rev is None:
+        label = git_head()
+        shutil.copytree(ROOT / "csrc", dest, ignore=shutil.ignore_patterns("__pycache__"))
+        return label
+    commit = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=ROOT,
+                            capture_output=True, text=True)
+    if commit.returncode != 0:
+        raise ToolUnavailable(f"no git revision {rev!r}")
+    dest.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", commit.stdout.strip(), "csrc"], cwd=ROOT,
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "--strip-components=1", "-C", str(dest)], input=archive,
+                   check=True)
+    return commit.stdout.strip()
+
+
+def generate(csrc: Path, nvcc: Path, includes: list[Path], patterns: str | None,
+             out: Path) -> tuple[list[Path], dict[str, tuple[bool, int, int, str]]]:
     """Run the project's generator for family 70: the valid .cu files and the probe table."""
     pats = patterns.strip() if patterns and patterns.strip() else SM70_NAME
-    cmd = [sys.executable, str(ROOT / "csrc" / "gen_kernels.py"), "--out", str(out),
+    cmd = [sys.executable, str(csrc / "gen_kernels.py"), "--out", str(out),
            "--nvcc", str(nvcc), "--filter", pats, "--families", "70"]
     for inc in includes:
         cmd += ["--include", str(inc)]
@@ -674,6 +694,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="FILE", help="also write the full report as JSON")
     ap.add_argument("--keep", metavar="DIR",
                     help="keep PTX, cubin, SASS and ptxas logs per kernel (compiles afresh)")
+    ap.add_argument("--rev", help="check csrc/ as of this git revision (default: the working tree)")
     ap.add_argument("--nvcc", help="nvcc producing the compute_75 PTX (default: PATH)")
     ap.add_argument("--cache-dir", help="default: $SPARKTUNE_CACHE or ~/.cache/sparktune")
     ap.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
@@ -692,17 +713,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"check_sm70: cannot run: {e}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="sparktune-sm70-gen-") as gen:
-        # compile against a snapshot of the kernel headers, so that edits made while the
-        # check runs can neither mix into its results nor into its cache keys
-        snapshot = Path(gen) / "include"
-        source_rev = git_head()
-        shutil.copytree(ROOT / "csrc" / "include", snapshot)
+        try:
+            source_rev = snapshot_csrc(Path(gen) / "csrc", args.rev)
+        except ToolUnavailable as e:
+            print(f"check_sm70: cannot run: {e}", file=sys.stderr)
+            return 2
+        snapshot = Path(gen) / "csrc" / "include"
         tc.includes[-1] = snapshot
-        sources, table = generate(tc.nvcc, tc.includes, args.filter, Path(gen) / "kernels")
+        sources, table = generate(Path(gen) / "csrc", tc.nvcc, tc.includes, args.filter,
+                                  Path(gen) / "kernels")
         headers = header_digest(snapshot)
         excluded = sorted(n for n, (valid, *_rest) in table.items()
                           if not valid and fnmatch.fnmatchcase(n, SM70_NAME))
-        progress(f"check_sm70: {len(sources)} Volta kernels to check, {len(excluded)} excluded by "
+        progress(f"check_sm70: csrc of {source_rev}: {len(sources)} Volta kernels to check, {len(excluded)} excluded by "
                  f"the rules; ptxas {tc.ptxas} (PTX ISA {tc.isa}); nvdisasm "
                  f"{tc.nvdisasm or 'n/a: ' + tc.nvdisasm_why}")
         keep = Path(args.keep).resolve() if args.keep else None
