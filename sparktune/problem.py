@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -11,8 +13,35 @@ DTYPES = ("float16", "bfloat16")
 OPS = ("fwd", "bwd")
 
 
+@functools.cache
+def _hashed_fields(cls: type) -> tuple[str, ...]:
+    """The fields the hash that ``@dataclass`` would generate for ``cls`` covers, in order."""
+    return tuple(
+        f.name for f in dataclasses.fields(cls) if (f.compare if f.hash is None else f.hash)
+    )
+
+
+class _CachedHash:
+    """Mixin for frozen dataclasses used as dictionary keys on every call: the hash of the
+    compared fields is computed once, at construction. It is not pickled or copied (string
+    hashes differ between processes); unpickling and copying compute it again."""
+
+    def _set_hash(self) -> None:
+        names = _hashed_fields(type(self))
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, n) for n in names)))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_hash", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._set_hash()
+
+
 @dataclass(frozen=True)
-class Problem:
+class Problem(_CachedHash):
     """One attention problem. Hashable; the tuning database keys records on it.
 
     Tensors are seen as (batch, heads, seqlen, head_dim); the memory layout (BHND or BNHD, any
@@ -43,6 +72,10 @@ class Problem:
             raise ValueError(
                 f"heads_q ({self.heads_q}) must be a multiple of heads_kv ({self.heads_kv})"
             )
+        self._set_hash()
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
 
     @property
     def group_size(self) -> int:
@@ -60,13 +93,11 @@ class Problem:
         return asdict(self)
 
     def replace(self, **changes: Any) -> Problem:
-        d = self.as_dict()
-        d.update(changes)
-        return Problem(**d)
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True)
-class DeviceInfo:
+class DeviceInfo(_CachedHash):
     """Fingerprint of the GPU a measurement belongs to."""
 
     name: str
@@ -75,6 +106,12 @@ class DeviceInfo:
     driver: str = ""
     cuda: str = ""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        self._set_hash()
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
 
     @property
     def arch(self) -> int:
