@@ -79,6 +79,7 @@ GQA_NATIVE_CONFIGS = ("flash", "math")
 _ALIGN_BYTES = 16
 
 
+@functools.cache
 def _torch_version() -> tuple[int, int]:
     major, minor = torch.__version__.split(".")[:2]
     return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
@@ -89,6 +90,36 @@ def _sdp_backend(config: str) -> Any:
     from torch.nn.attention import SDPBackend
 
     return getattr(SDPBackend, CONFIGS[config], None)
+
+
+@functools.cache
+def _sdpa_kernel() -> Any:
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel
+
+
+@functools.cache
+def _sdp_switches(config: str) -> tuple[tuple[Any, Any, bool], ...] | None:
+    """(getter, setter, value) of every flag ``sdpa_kernel(<config's backend>)`` sets, so that
+    the backend is forced without the context manager's per-call work; None where this torch
+    does not expose them as ``sdpa_kernel`` itself reads them (then it is used instead)."""
+    want = _sdp_backend(config)
+    if want is None:
+        return None
+    try:
+        from torch.nn.attention import SDPBackend, _backend_names
+
+        return tuple(
+            (
+                getattr(torch._C, f"_get_{flag}_sdp_enabled"),
+                getattr(torch._C, f"_set_sdp_use_{flag}"),
+                getattr(SDPBackend, member) == want,
+            )
+            for flag, member in _backend_names.items()
+        )
+    except (ImportError, AttributeError, TypeError):
+        return None
 
 
 @functools.cache
@@ -128,15 +159,32 @@ def _lse_op(config: str) -> tuple[Any, frozenset[str]] | None:
 
 
 def _aligned(t: torch.Tensor) -> bool:
+    if t.data_ptr() % _ALIGN_BYTES:
+        return False
     elems = _ALIGN_BYTES // t.element_size()
-    return t.data_ptr() % _ALIGN_BYTES == 0 and all(s % elems == 0 for s in t.stride()[:-1])
+    for s in t.stride()[:-1]:
+        if s % elems:
+            return False
+    return True
 
 
-def _prepare(config: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
+def _prepare(
+    config: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inputs as the fused kernels can read them: misaligned ones copied (not for math)."""
-    if config == "math":
-        return list(tensors)
-    return [t if _aligned(t) else t.clone(memory_format=torch.contiguous_format) for t in tensors]
+    if config == "math" or (_aligned(q) and _aligned(k) and _aligned(v)):
+        return q, k, v
+    q, k, v = (
+        t if _aligned(t) else t.clone(memory_format=torch.contiguous_format) for t in (q, k, v)
+    )
+    return q, k, v
+
+
+def _any_requires_grad(*tensors: torch.Tensor) -> bool:
+    for t in tensors:
+        if t.requires_grad:
+            return True
+    return False
 
 
 def _unknown_config(config: str) -> str:
@@ -238,10 +286,9 @@ class TorchSDPABackend(Backend):
     ) -> torch.Tensor:
         """torch's public SDPA forced to ``config``, with sparktune's semantics (rows that see
         no key are not zeroed here)."""
-        from torch.nn.attention import sdpa_kernel
-
-        nq, nk = q.shape[2], k.shape[2]
-        group = q.shape[1] // k.shape[1]
+        _, hq, nq, _ = q.shape
+        _, hk, nk, _ = k.shape
+        group = hq // hk
         kwargs: dict[str, Any] = {"scale": scale}
         if causal and nq == nk:
             kwargs["is_causal"] = True
@@ -253,8 +300,19 @@ class TorchSDPABackend(Backend):
             else:
                 k = k.repeat_interleave(group, dim=1)
                 v = v.repeat_interleave(group, dim=1)
-        with sdpa_kernel(_sdp_backend(config)):
+        switches = _sdp_switches(config)
+        if switches is None or torch.compiler.is_compiling():  # compilers know sdpa_kernel
+            with _sdpa_kernel()(_sdp_backend(config)):
+                return F.scaled_dot_product_attention(q, k, v, **kwargs)
+        # what ``with sdpa_kernel(backend):`` does, without its per-call Python work
+        before = [get() for get, _, _ in switches]
+        try:
+            for _, set_, value in switches:
+                set_(value)
             return F.scaled_dot_product_attention(q, k, v, **kwargs)
+        finally:
+            for (_, set_, _), value in zip(switches, before, strict=True):
+                set_(value)
 
     @staticmethod
     def _sdpa_with_lse(
@@ -309,22 +367,60 @@ class TorchSDPABackend(Backend):
         scale: float,
         need_lse: bool = True,
     ) -> torch.Tensor | None:
-        self._check_config(config)
-        nq, nk = q.shape[2], k.shape[2]
-        q, k, v = _prepare(config, q, k, v)
-        lse = None
-        with torch.no_grad():
-            fused = self._sdpa_with_lse(config, q, k, v, causal, scale) if need_lse else None
-            if fused is not None:
-                o, lse = fused
-            else:
-                o = self._sdpa(config, q, k, v, causal, scale)
-                if need_lse:
-                    lse = reference_lse(q, k, causal, scale, torch.float32)
-            out.copy_(o)
-            if causal and nq > nk:  # rows that see no key (their lse is already -inf)
-                out[:, :, : nq - nk].zero_()
+        if torch.is_grad_enabled() and _any_requires_grad(q, k, v, out):
+            with torch.no_grad():
+                o, lse = self._run(config, q, k, v, causal, scale, need_lse)
+                out.copy_(o)
+                return lse
+        o, lse = self._run(config, q, k, v, causal, scale, need_lse)
+        out.copy_(o)
         return lse
+
+    def forward_alloc(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        config: str,
+        causal: bool,
+        scale: float,
+        need_lse: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward` into the output tensor SDPA allocates: returns (out, lse), out of
+        q's shape and dtype with whatever strides torch chose. ``sparktune.attention()`` uses
+        it to save the copy into a buffer of its own (it copies only when the strides are not
+        the caller's layout)."""
+        if torch.is_grad_enabled() and _any_requires_grad(q, k, v):
+            with torch.no_grad():
+                return self._run(config, q, k, v, causal, scale, need_lse)
+        return self._run(config, q, k, v, causal, scale, need_lse)
+
+    def _run(
+        self,
+        config: str,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        scale: float,
+        need_lse: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(out, lse) from torch's own output tensor; call with autograd off or with inputs
+        that need no gradient (no graph is recorded either way)."""
+        self._check_config(config)
+        q, k, v = _prepare(config, q, k, v)
+        fused = self._sdpa_with_lse(config, q, k, v, causal, scale) if need_lse else None
+        if fused is not None:
+            o, lse = fused
+        else:
+            o = self._sdpa(config, q, k, v, causal, scale)
+            lse = reference_lse(q, k, causal, scale, torch.float32) if need_lse else None
+        if causal:
+            nq, nk = q.shape[2], k.shape[2]
+            if nq > nk:  # rows that see no key (their lse is already -inf)
+                o[:, :, : nq - nk].zero_()
+        return o, lse
 
     def backward(
         self,
