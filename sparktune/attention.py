@@ -7,15 +7,16 @@ Note: the package re-exports the function under the same name as this module, so
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import numbers
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from . import dispatch, registry
 from .backends.base import Backend
 from .problem import DeviceInfo, Problem
 
@@ -45,9 +46,15 @@ def _warn_once(key: str, message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-@functools.cache
+#: CUDA device index -> its fingerprint (a device does not change during a process)
+_cuda_infos: dict[int, DeviceInfo] = {}
+
+
 def _cuda_device_info(index: int) -> DeviceInfo:
-    return DeviceInfo.from_torch(torch.device("cuda", index))
+    info = _cuda_infos.get(index)
+    if info is None:
+        info = _cuda_infos[index] = DeviceInfo.from_torch(torch.device("cuda", index))
+    return info
 
 
 def _device_info(device: torch.device) -> DeviceInfo | None:
@@ -140,6 +147,73 @@ def _check_inputs(
     return qb, kb, vb
 
 
+def _sizes(
+    q: object, k: object, v: object, layout: object
+) -> tuple[int, int, int, int, int, int, torch.dtype, torch.device] | None:
+    """(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, device) of inputs
+    that pass every check of :func:`_check_inputs`, read with as few tensor calls as
+    possible; None when a check fails or is not decided here (a last dimension of size 1 with
+    another stride): then :func:`_check_inputs` decides, and says why."""
+    if not (
+        isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    ):
+        return None
+    qs, ks = q.shape, k.shape
+    if len(qs) != 4 or len(ks) != 4 or v.shape != ks:
+        return None
+    if layout == "bhnd":
+        b, hq, nq, d = qs
+        _, hk, nk, dk = ks
+    elif layout == "bnhd":
+        b, nq, hq, d = qs
+        _, nk, hk, dk = ks
+    else:
+        return None
+    if not (b and hq and nq and d and hk and nk) or ks[0] != b or dk != d or hq % hk:
+        return None
+    dtype = q.dtype
+    if k.dtype is not dtype or v.dtype is not dtype or dtype not in SUPPORTED_DTYPES:
+        return None
+    if q.stride()[3] != 1 or k.stride()[3] != 1 or v.stride()[3] != 1:
+        return None
+    device = q.device
+    if k.device != device or v.device != device:
+        return None
+    return b, hq, hk, nq, nk, d, dtype, device
+
+
+#: the forward problems seen, by (dtype, sizes, causal, allow_fp16_accum): a repeated shape
+#: reuses its Problem (validated once, when it was made), and dispatch's memo finds it by
+#: identity
+_problems: dict[tuple[Any, ...], Problem] = {}
+#: more distinct shapes than this (e.g. a growing decode length) start the table afresh
+_PROBLEMS_MAX = 4096
+
+
+def _forward_problem(key: tuple[Any, ...]) -> Problem:
+    """The forward Problem of ``(dtype, batch, heads_q, heads_kv, seqlen_q, seqlen_k,
+    head_dim, causal, allow_fp16_accum)``."""
+    problem = _problems.get(key)
+    if problem is None:
+        dtype, b, hq, hk, nq, nk, d, causal, fp16 = key
+        problem = Problem(
+            op="fwd",
+            dtype=SUPPORTED_DTYPES[dtype],
+            batch=b,
+            heads_q=hq,
+            heads_kv=hk,
+            seqlen_q=nq,
+            seqlen_k=nk,
+            head_dim=d,
+            causal=causal,
+            allow_fp16_accum=fp16,
+        )
+        if len(_problems) >= _PROBLEMS_MAX:
+            _problems.clear()
+        _problems[key] = problem
+    return problem
+
+
 @dataclass(frozen=True)
 class _Plan:
     """What one call runs: the chosen backend and config, and what the backward needs to
@@ -156,34 +230,98 @@ class _Plan:
     forced: bool
 
 
+#: backend class -> its ``forward_alloc`` method, or None when it has none
+_forward_allocs: dict[type, Any] = {}
+
+
+def _forward_alloc(backend: Backend) -> Any:
+    """The backend's optional ``forward_alloc(q, k, v, *, config, causal, scale, need_lse)
+    -> (out, lse)``: its forward writing to an output it allocates itself ((B, H, N, D), any
+    strides), for kernels that make their own output anyway (PyTorch's SDPA), so that no
+    copy into a caller's buffer is needed. None when the backend has only ``forward``."""
+    cls = type(backend)
+    try:
+        return _forward_allocs[cls]
+    except KeyError:
+        fn = _forward_allocs[cls] = getattr(cls, "forward_alloc", None)
+        return fn
+
+
+def _new_output(q: torch.Tensor) -> torch.Tensor:
+    """An uninitialised contiguous tensor of q's shape, dtype and device."""
+    if type(q) is torch.Tensor:  # the same tensor as below, with less argument parsing
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def _run(
+    backend: Backend,
+    config: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: str,
+    causal: bool,
+    scale: float,
+    need_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run ``backend``'s ``config`` on user-layout tensors; returns (out, lse): out in the
+    user's layout, a new tensor contiguous in that layout."""
+    alloc = _forward_alloc(backend)
+    if layout == "bhnd":
+        if alloc is None:
+            out = _new_output(q)
+            lse = backend.forward(
+                q, k, v, out, config=config, causal=causal, scale=scale, need_lse=need_lse
+            )
+        else:
+            out, lse = alloc(
+                backend, q, k, v, config=config, causal=causal, scale=scale, need_lse=need_lse
+            )
+            if not out.is_contiguous():
+                out = out.contiguous()
+    elif alloc is None:
+        out = _new_output(q)
+        lse = backend.forward(
+            _bhnd(q, layout),
+            _bhnd(k, layout),
+            _bhnd(v, layout),
+            _bhnd(out, layout),
+            config=config,
+            causal=causal,
+            scale=scale,
+            need_lse=need_lse,
+        )
+    else:
+        out_bhnd, lse = alloc(
+            backend,
+            _bhnd(q, layout),
+            _bhnd(k, layout),
+            _bhnd(v, layout),
+            config=config,
+            causal=causal,
+            scale=scale,
+            need_lse=need_lse,
+        )
+        out = _bhnd(out_bhnd, layout)  # the transpose is its own inverse
+        if not out.is_contiguous():
+            out = out.contiguous()
+    if need_lse and lse is None:
+        raise RuntimeError(f"backend {backend.name!r} config {config!r} returned no log-sum-exp")
+    return out, lse
+
+
 def _forward(
     plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, need_lse: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the plan on user-layout tensors; returns (out in the user's layout, lse)."""
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = plan.backend.forward(
-        _bhnd(q, plan.layout),
-        _bhnd(k, plan.layout),
-        _bhnd(v, plan.layout),
-        _bhnd(out, plan.layout),
-        config=plan.config,
-        causal=plan.causal,
-        scale=plan.scale,
-        need_lse=need_lse,
-    )
-    if need_lse and lse is None:
-        raise RuntimeError(
-            f"backend {plan.backend.name!r} config {plan.config!r} returned no log-sum-exp"
-        )
-    return out, lse
+    return _run(plan.backend, plan.config, q, k, v, plan.layout, plan.causal, plan.scale, need_lse)
 
 
 def _backward_choice(plan: _Plan) -> tuple[Backend, str] | None:
     """The backend and config for the backward: chosen by dispatch for the "bwd" problem
     (the user's forced backend, and its forward config where it offers it for "bwd", when
     one was forced); None when none can run it."""
-    from . import dispatch, registry
-
     problem = plan.problem.replace(op="bwd")
     try:
         if plan.forced:
@@ -322,29 +460,29 @@ def attention(
     one-time warning says so).
     Running on a fallback (CPU tensors, or the reference backend) is announced once per process.
     """
-    qb, kb, _ = _check_inputs(q, k, v, layout)
-    scale = _check_scale(scale, qb.shape[3])
-    problem = Problem(
-        op="fwd",
-        dtype=SUPPORTED_DTYPES[q.dtype],
-        batch=qb.shape[0],
-        heads_q=qb.shape[1],
-        heads_kv=kb.shape[1],
-        seqlen_q=qb.shape[2],
-        seqlen_k=kb.shape[2],
-        head_dim=qb.shape[3],
-        causal=bool(causal),
-        allow_fp16_accum=bool(allow_fp16_accum),
-    )
-    device = _device_info(q.device)
-
-    from . import dispatch, registry
+    sizes = _sizes(q, k, v, layout)
+    if sizes is None:  # something is wrong (this raises and says what) or unusual
+        qb, kb, _ = _check_inputs(q, k, v, layout)
+        b, hq, nq, d = qb.shape
+        sizes = (b, hq, kb.shape[1], nq, kb.shape[2], d, q.dtype, q.device)
+    b, hq, hk, nq, nk, d, dtype, dev = sizes
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    elif not (type(scale) is float and 0.0 < scale < math.inf):
+        scale = _check_scale(scale, d)
+    causal = bool(causal)
+    problem = _forward_problem((dtype, b, hq, hk, nq, nk, d, causal, bool(allow_fp16_accum)))
+    device = _device_info(dev)
 
     selection = dispatch.select(problem, device, backend=backend, config=config)
     chosen = selection.candidate
-    if selection.source != "forced" and (device is None or chosen.backend in FALLBACK_BACKENDS):
+    if (
+        selection.source != "forced"
+        and (device is None or chosen.backend in FALLBACK_BACKENDS)
+        and "fallback" not in _warned
+    ):
         why = (
-            f"the tensors are on {q.device.type}, and sparktune's GPU kernels need CUDA tensors"
+            f"the tensors are on {dev.type}, and sparktune's GPU kernels need CUDA tensors"
             if device is None
             else "no GPU backend can run this problem here (see `sparktune info`)"
         )
@@ -353,19 +491,20 @@ def attention(
             f"sparktune: attention runs on the fallback {chosen.label} because {why}; "
             "expect it to be slow",
         )
-    plan = _Plan(
-        backend=registry.get_backend(chosen.backend),
-        config=chosen.config,
-        causal=bool(causal),
-        scale=scale,
-        layout=layout,
-        problem=problem,
-        device=device,
-        forced=backend is not None,
-    )
+    impl = registry.get_backend(chosen.backend)
 
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        plan = _Plan(
+            backend=impl,
+            config=chosen.config,
+            causal=causal,
+            scale=scale,
+            layout=layout,
+            problem=problem,
+            device=device,
+            forced=backend is not None,
+        )
         out, lse = _AttentionFunction.apply(q, k, v, plan)
     else:
-        out, lse = _forward(plan, q, k, v, need_lse=return_lse)
+        out, lse = _run(impl, chosen.config, q, k, v, layout, causal, scale, return_lse)
     return (out, lse) if return_lse else out
