@@ -34,7 +34,7 @@ def load_extension() -> tuple[Any, str | None]:
     return _C, None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _smem_optin(device_index: int) -> int:
     import torch
 
@@ -220,23 +220,36 @@ class SparkBackend(Backend):
             raise RuntimeError(err)
         b, hq, nq, d = q.shape
         hk, nk = k.shape[1], k.shape[2]
+        ptrs, strides = [], []
         for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-            if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]):
+            ptr, st = t.data_ptr(), t.stride()
+            if ptr % 16 or st[0] % 8 or st[1] % 8 or st[2] % 8:
                 raise ValueError(
                     f"spark kernels need 16-byte aligned rows: {name}'s data pointer and its batch, "
-                    f"head and row strides must be multiples of 8 elements (strides {tuple(t.stride())})"
+                    f"head and row strides must be multiples of 8 elements (strides {tuple(st)})"
                 )
-        lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
-        stream = torch.cuda.current_stream(q.device).cuda_stream
+            ptrs.append(ptr)
+            strides.append(st[:3])
+        device = q.device
+        # the kernel always writes the log-sum-exp, so it needs the buffer even without need_lse
+        lse = torch.empty((b, hq, nq), device=device, dtype=torch.float32)
+        raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        stream = (
+            raw_stream(device.index)
+            if raw_stream is not None
+            else torch.cuda.current_stream(device).cuda_stream
+        )
         if not (scale > 0 and math.isfinite(scale)):
             raise ValueError(f"scale must be a finite positive number, got {scale!r}")
-        with torch.cuda.device(q.device):
-            mod.fwd(
-                config, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                b, hq, hk, nq, nk, d,
-                q.stride()[:3], k.stride()[:3], v.stride()[:3], out.stride()[:3],
-                float(scale), bool(causal), stream,
-            )
+        args = (
+            config, *ptrs, lse.data_ptr(), b, hq, hk, nq, nk, d, *strides,
+            float(scale), bool(causal), stream,
+        )
+        if device.index == torch.cuda.current_device():
+            mod.fwd(*args)
+        else:  # launch on the tensors' device (its stream, its attributes)
+            with torch.cuda.device(device):
+                mod.fwd(*args)
         return lse
 
     def backward(
