@@ -1,0 +1,374 @@
+"""The host cost of ``sparktune.attention()`` on a dispatch hit, guarded without a clock: what
+the hit path calls (Python functions, tensor operations, allocations) is counted, and the
+fast checks are shown to accept exactly what the full checks accept. Timings are in
+bench/host_overhead.py."""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import pickle
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+import sparktune
+import sparktune.backends.torch_sdpa as tsdpa
+from sparktune import dispatch, registry
+from sparktune.backends.base import Backend
+from sparktune.problem import DeviceInfo, Problem
+
+api = importlib.import_module("sparktune.attention")
+
+#: a GPU fingerprint for CPU tensors, so that a tuned record can be hit without a GPU
+STAND_IN = DeviceInfo("host-overhead stand-in GPU", (9, 0), 132, driver="1", cuda="13.0")
+SHAPE = (1, 2, 16, 16)
+PROBLEM = Problem("fwd", "float16", 1, 2, 2, 16, 16, 16, False)
+
+# Budgets for one call on a hit (measured: 11 Python calls and 15 tensor operations). They
+# leave room for small changes; a check or a lookup done twice, a context manager, a warning,
+# a Problem validated again or a copy of the output goes over them or is named below.
+MAX_PYTHON_CALLS = 14
+MAX_TENSOR_OPS = 18
+#: never on the hit path (Python functions, by qualified or plain name): validation done
+#: again, a Problem or plan made, warnings and logging, context managers, dispatch that
+#: resolves instead of finding its memo
+FORBIDDEN = {
+    "_check_inputs",
+    "_check_scale",
+    "Problem.__post_init__",
+    "DeviceInfo.__post_init__",
+    "DeviceInfo.from_torch",
+    "_warn_once",
+    "warn",
+    "Logger.info",
+    "Logger.warning",
+    "Logger.debug",
+    "__enter__",
+    "_resolve",
+    "_forced",
+    "heuristic_default",
+    "_table",
+}
+
+
+class NoopBackend(Backend):
+    """Runs nothing: the cost of a call through it is sparktune's own."""
+
+    name = "host-noop"
+    tunable = False
+
+    def __init__(self):
+        self.calls = 0
+
+    def configs(self, op="fwd"):
+        return ("default",)
+
+    def not_supported_reasons(self, problem, config=None, device=None):
+        return [] if config in (None, "default") else [f"unknown config {config!r}"]
+
+    def forward(self, q, k, v, out, *, config, causal, scale, need_lse=True):
+        self.calls += 1
+        return None
+
+
+@pytest.fixture
+def noop():
+    backend = NoopBackend()
+    registry.register_backend(backend, replace=True)
+    yield backend
+    registry.unregister_backend(backend.name)
+
+
+@pytest.fixture
+def tuned_hit(noop, tmp_path, monkeypatch):
+    """A tuning store whose record for PROBLEM on STAND_IN is the noop backend, and CPU
+    tensors that attention() sees on STAND_IN."""
+    from sparktune.db import Record, Store
+
+    monkeypatch.setenv("SPARKTUNE_SHIPPED_DB", "")
+    monkeypatch.setattr(api, "_device_info", lambda device: STAND_IN)
+    path = tmp_path / "hit.sqlite3"
+    with Store(path) as s:
+        s.add(
+            [
+                Record(
+                    PROBLEM,
+                    STAND_IN,
+                    dispatch.build_id(),
+                    noop.name,
+                    "default",
+                    median_ms=1.0,
+                    min_ms=1.0,
+                    max_ms=1.0,
+                    runs=1,
+                )  # fmt: skip
+            ]
+        )
+    dispatch.configure(path)
+    assert dispatch.select(PROBLEM, STAND_IN).source == "tuned"
+    yield noop
+    dispatch.configure(None)
+
+
+def qkv(shape=SHAPE, dtype=torch.float16):
+    return tuple(torch.randn(*shape, dtype=dtype) for _ in range(3))
+
+
+class _Calls:
+    """Functions entered while active, outside this file (a profile hook: every call, not a
+    sample): Python ones by qualified name, built-in ones (C) as ``c:name``."""
+
+    def __init__(self):
+        self.names: collections.Counter[str] = collections.Counter()
+
+    def _hook(self, frame, event, arg):
+        if frame.f_code.co_filename == __file__:
+            return
+        if event == "call":
+            self.names[frame.f_code.co_qualname] += 1
+        elif event == "c_call":
+            self.names[f"c:{getattr(arg, '__name__', '?')}"] += 1
+
+    @property
+    def python(self) -> collections.Counter[str]:
+        return collections.Counter({n: c for n, c in self.names.items() if not n.startswith("c:")})
+
+    def __enter__(self):
+        self._saved = sys.getprofile()
+        sys.setprofile(self._hook)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setprofile(self._saved)
+
+
+class _TensorOps(TorchFunctionMode):
+    """Tensor operations and attribute reads that reach torch's Python API while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: collections.Counter[str] = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name == "__get__":  # an attribute such as .shape, .dtype or .device
+            name = f"get:{getattr(func.__self__, '__name__', '?')}"
+        self.names[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+ALLOCATIONS = {"empty", "empty_like", "zeros", "zeros_like", "new_empty", "clone", "contiguous"}
+
+
+def _hit_calls(fn):
+    """(Python functions, built-in functions, tensor operations) of one call of ``fn`` after a
+    first one (which may build and validate the shape's Problem)."""
+    fn()
+    with _Calls() as calls:
+        fn()
+    with _TensorOps() as ops:
+        fn()
+    builtins = {n[2:] for n in calls.names if n.startswith("c:")}
+    return calls.python, builtins, ops.names
+
+
+def _forbidden(calls) -> set[str]:
+    names = set(calls) | {n.rpartition(".")[2] for n in calls}
+    return names & FORBIDDEN
+
+
+@pytest.mark.parametrize("grad_mode", [False, True], ids=["no_grad", "grad_mode_on"])
+@pytest.mark.parametrize("forced", [False, True], ids=["tuned", "forced"])
+def test_hit_path_calls_little(tuned_hit, grad_mode, forced):
+    q, k, v = qkv()
+    kwargs = {"backend": tuned_hit.name} if forced else {}
+    with torch.set_grad_enabled(grad_mode):
+        calls, builtins, ops = _hit_calls(lambda: sparktune.attention(q, k, v, **kwargs))
+    assert tuned_hit.calls == 3
+    assert not _forbidden(calls) and "warn" not in builtins, calls
+    assert sum(calls.values()) <= MAX_PYTHON_CALLS, calls
+    assert sum(ops.values()) <= MAX_TENSOR_OPS, ops
+    # one allocation: the output the backend writes to
+    assert sum(n for name, n in ops.items() if name in ALLOCATIONS) == 1, ops
+
+
+def test_a_repeated_shape_makes_no_problem(tuned_hit, monkeypatch):
+    """The first call of a shape validates its Problem once; later calls make none."""
+    made = collections.Counter()
+    post_init = Problem.__post_init__
+
+    def counting(self):
+        made[(self.op, self.seqlen_q)] += 1
+        post_init(self)
+
+    monkeypatch.setattr(api, "_problems", {})
+    monkeypatch.setattr(Problem, "__post_init__", counting)
+    inputs = [qkv(), qkv((1, 2, 24, 16))]
+    for q, k, v in inputs:
+        sparktune.attention(q, k, v)
+    assert made[("fwd", 16)] == 1 and made[("fwd", 24)] >= 1
+    made.clear()
+    for _ in range(3):
+        for q, k, v in inputs:
+            sparktune.attention(q, k, v)
+    assert not made
+
+
+def test_problem_table_is_bounded(monkeypatch):
+    monkeypatch.setattr(api, "_problems", {})
+    monkeypatch.setattr(api, "_PROBLEMS_MAX", 4)
+    keys = [(torch.float16, 1, 1, 1, n, n, 8, False, False) for n in range(1, 10)]
+    for key in keys:
+        p = api._forward_problem(key)
+        assert (p.seqlen_q, p.dtype, p.op) == (key[4], "float16", "fwd")
+        assert api._forward_problem(key) is p
+    assert len(api._problems) <= 4
+
+
+def test_cuda_device_info_is_read_once_per_device(monkeypatch):
+    reads = []
+
+    def from_torch(device):
+        reads.append(device)
+        return DeviceInfo(f"GPU {device.index}", (9, 0), 132, extra={"index": device.index})
+
+    monkeypatch.setattr(api, "_cuda_infos", {})
+    monkeypatch.setattr(DeviceInfo, "from_torch", staticmethod(from_torch))
+    infos = [api._device_info(torch.device("cuda", i % 2)) for i in range(6)]
+    assert [d.name for d in infos] == ["GPU 0", "GPU 1"] * 3
+    assert len(reads) == 2
+    assert api._device_info(torch.device("cpu")) is None
+
+
+def test_torch_backend_returns_sdpa_output_without_a_copy(monkeypatch):
+    """On a contiguous output in the caller's layout, attention() returns the tensor SDPA made:
+    no second buffer, no copy; in another layout it copies once into a contiguous one."""
+    made = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        made.append(out)
+        return out
+
+    monkeypatch.setattr(tsdpa.F, "scaled_dot_product_attention", recording)
+    q, k, v = qkv((2, 3, 17, 16))
+    with torch.no_grad():
+        calls, _, ops = _hit_calls(
+            lambda: sparktune.attention(q, k, v, backend="torch", config="math")
+        )
+        out = sparktune.attention(q, k, v, backend="torch", config="math")
+    assert out is made[-1] and out.is_contiguous()
+    assert not ALLOCATIONS & set(ops) and "copy_" not in ops, ops
+    assert not _forbidden(calls), calls  # sdpa_kernel's context manager included
+    qn, kn, vn = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    out_n = sparktune.attention(qn, kn, vn, backend="torch", config="math", layout="bnhd")
+    assert out_n.is_contiguous() and out_n.shape == qn.shape
+    torch.testing.assert_close(out_n.transpose(1, 2), out)
+
+
+def _flags():
+    from torch.nn.attention import _backend_names
+
+    return {n: getattr(torch._C, f"_get_{n}_sdp_enabled")() for n in _backend_names}
+
+
+@pytest.mark.parametrize("config", list(tsdpa.CONFIGS))
+def test_torch_backend_forces_sdpa_like_sdpa_kernel(config, monkeypatch):
+    """The torch backend sets the same SDPA flags as ``sdpa_kernel(<backend>)`` for the call
+    and restores the caller's, also when SDPA raises."""
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(tsdpa._sdp_backend(config)):
+        expected = _flags()
+    seen = []
+
+    def fake(*args, **kwargs):
+        seen.append(_flags())
+        raise RuntimeError("no kernel")
+
+    monkeypatch.setattr(tsdpa.F, "scaled_dot_product_attention", fake)
+    q, k, v = qkv()
+    torch._C._set_sdp_use_math(False)  # a caller's own setting, to be restored
+    try:
+        before = _flags()
+        with pytest.raises(RuntimeError, match="no kernel"):
+            tsdpa.TorchSDPABackend._sdpa(config, q, k, v, False, 0.25)
+        assert seen == [expected]
+        assert _flags() == before
+    finally:
+        torch._C._set_sdp_use_math(True)
+
+
+# -- the fast checks accept exactly what the full checks accept ------------------------------
+
+
+def _t(*shape, dtype=torch.float16, device="cpu"):
+    return (
+        torch.randn(*shape, dtype=dtype)
+        if device == "cpu"
+        else torch.empty(*shape, dtype=dtype, device=device)
+    )
+
+
+_Q, _K = _t(2, 4, 8, 16), _t(2, 2, 8, 16)
+INPUTS = [  # (q, k, v, layout)
+    (_Q, _K, _K.clone(), "bhnd"),
+    (_Q.transpose(1, 2), _K.transpose(1, 2), _K.transpose(1, 2), "bnhd"),
+    (_Q, _K, _K, "nbhd"),
+    ([[1.0]], _K, _K, "bhnd"),
+    (_Q, _K, None, "bhnd"),
+    (_t(4, 8, 16), _K, _K, "bhnd"),
+    (_Q, _t(2, 2, 8, 16, dtype=torch.bfloat16), _K, "bhnd"),
+    (_Q.float(), _K.float(), _K.float(), "bhnd"),
+    (_t(3, 4, 8, 16), _K, _K, "bhnd"),
+    (_t(2, 4, 8, 32), _K, _K, "bhnd"),
+    (_Q, _K, _t(2, 2, 9, 16), "bhnd"),
+    (_t(2, 3, 8, 16), _K, _K, "bhnd"),
+    (_t(0, 4, 8, 16), _t(0, 2, 8, 16), _t(0, 2, 8, 16), "bhnd"),
+    (_Q, _t(2, 2, 0, 16), _t(2, 2, 0, 16), "bhnd"),
+    (_t(2, 4, 8, 32)[..., ::2], _K, _K, "bhnd"),
+    (_t(2, 4, 8, 2)[..., ::2], _t(2, 2, 8, 2)[..., ::2], _t(2, 2, 8, 1), "bhnd"),  # size-1 dim
+    (_Q, _t(2, 2, 8, 16, device="meta"), _K, "bhnd"),
+    (_t(2, 8, 4, 16), _t(2, 8, 2, 16), _t(2, 8, 2, 16), "bnhd"),
+    (_t(2, 8, 3, 16), _t(2, 8, 2, 16), _t(2, 8, 2, 16), "bnhd"),
+    (torch.nn.Parameter(_Q), _K, _K, "bhnd"),
+]
+
+
+@pytest.mark.parametrize("q,k,v,layout", INPUTS, ids=range(len(INPUTS)))
+def test_fast_checks_agree_with_full_checks(q, k, v, layout):
+    """What the fast checks accept, the full checks accept too, with the same sizes; what
+    they leave undecided goes to the full checks, which raise and say why (or accept)."""
+    sizes = api._sizes(q, k, v, layout)
+    try:
+        qb, kb, _ = api._check_inputs(q, k, v, layout)
+    except (TypeError, ValueError):
+        assert sizes is None  # the full checks raise, and say why
+        return
+    if sizes is not None:
+        b, hq, nq, d = qb.shape
+        assert sizes == (b, hq, kb.shape[1], nq, kb.shape[2], d, q.dtype, q.device)
+
+
+def test_common_inputs_take_the_fast_checks():
+    for q, k, v, layout in INPUTS[:2] + INPUTS[17:18] + INPUTS[19:]:
+        assert api._sizes(q, k, v, layout) is not None
+
+
+def test_cached_hashes_are_the_dataclass_hashes_and_are_not_pickled():
+    p = Problem("fwd", "bfloat16", 2, 8, 2, 17, 33, 64, True, True)
+    assert hash(p) == hash(("fwd", "bfloat16", 2, 8, 2, 17, 33, 64, True, True))
+    assert hash(p.replace(op="bwd")) == hash(("bwd", "bfloat16", 2, 8, 2, 17, 33, 64, True, True))
+    d = DeviceInfo("GPU", (9, 0), 132, "580", "13.0", extra={"index": 3})
+    assert hash(d) == hash(("GPU", (9, 0), 132, "580", "13.0"))
+    for obj in (p, d):
+        state = obj.__reduce_ex__(2)[2]
+        assert "_hash" not in state
+        again = pickle.loads(pickle.dumps(obj))
+        assert again == obj and hash(again) == hash(obj)
+    assert pickle.loads(pickle.dumps(d)).extra == {"index": 3}
