@@ -266,9 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         f"# host time per call ({clock} clock), {what}, torch {torch.__version__}, {args.dtype} "
         f"{(b, h, n, d)}, {args.calls} calls x {args.rounds} rounds"
     )
-    print(f"{'case':<62} {'median us':>10} {'best us':>9}")
+    print(f"{'case':<68} {'median us':>10} {'best us':>9}")
     for name, r in results.items():
-        print(f"{name:<62} {r['median_us']:>10.2f} {r['best_us']:>9.2f}")
+        print(f"{name:<68} {r['median_us']:>10.2f} {r['best_us']:>9.2f}")
 
     def us(name: str) -> float:
         return results[name]["median_us"]
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         summary["noop: attention() tuned hit minus forward()"] = hit - noop_direct
     print()
     for name, value in summary.items():
-        print(f"{name:<62} {value:>10.2f}")
+        print(f"{name:<68} {value:>10.2f}")
     met = None
     if device == "cuda":
         met = summary["hit minus SDPA under sdpa_kernel(FLASH)"] <= TARGET_US
@@ -303,6 +303,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{'met' if met else 'MISSED'}"
         )
     print("dispatch counters:", counters)
+    if hasattr(torch_backend, "forward_alloc"):
+        with torch.no_grad():
+            o, _ = torch_backend.forward_alloc(
+                q, k, v, config=sdpa_config, causal=False, scale=scale, need_lse=False
+            )
+        print(
+            f"torch {sdpa_config} output contiguous for (B, H, N, D) inputs: {o.is_contiguous()} "
+            f"({'returned as it is' if o.is_contiguous() else 'attention() copies it once'})"
+        )
     if args.json:
         Path(args.json).write_text(
             json.dumps(
