@@ -74,7 +74,6 @@ def main(argv=None) -> int:
                 ratios.append(r)
                 print(f"{d:>3} {int(causal):>6} {n:>6} | {tf['spark']:7.1f} {tf['flash']:7.1f} {tf['cudnn']:7.1f} | "
                       f"{r:7.3f} {tf['spark'] / tf['cudnn']:7.3f} | {fwd_cfg} / {bwd_cfg}", flush=True)
-                del q, k, v, dout, out, dq, dk, dv
     ok = [r for r in ratios if r == r]
     if ok:
         print(f"# geometric mean x flash: {math.exp(sum(map(math.log, ok)) / len(ok)):.3f}; min {min(ok):.3f}")

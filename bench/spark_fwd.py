@@ -84,7 +84,6 @@ def main(argv=None) -> int:
                 s, fl, cu = tf(best_t), tf(res["flash"]), tf(res["cudnn"])
                 rows.append((d, causal, n, s / fl, s / cu))
                 print(f"{d:>3} {int(causal):>6} {n:>6} {bs:>5} | {s:7.1f} {fl:7.1f} {cu:7.1f} | {s / fl:7.3f} {s / cu:7.3f} | {best_name}", flush=True)
-                del q, k, v, out
     if rows:
         gm = math.exp(sum(math.log(r[3]) for r in rows) / len(rows))
         print(f"# geometric mean x flash: {gm:.3f}; min x flash: {min(r[3] for r in rows):.3f}")

@@ -74,18 +74,23 @@ std::vector<int> parse_archs(const std::string& s) {
   return out;
 }
 
-void fwd(const std::string& name, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o,
-         uintptr_t lse, int batch, int heads_q, int heads_kv, int seqlen_q, int seqlen_k,
-         int head_dim, Strides qs, Strides ks, Strides vs, Strides os, double scale, bool causal,
-         uintptr_t stream) {
+// Checks shared by every launch, and the fields of FwdParams (also the base of BwdParams).
+const KernelInfo& find_kernel(const std::string& name, const char* op) {
   const KernelInfo* info = Registry::instance().find(name);
   if (info == nullptr) throw std::invalid_argument("unknown kernel '" + name + "'");
-  if (info->launch == nullptr) {
-    throw std::invalid_argument("kernel '" + name + "' is a " + info->op + " kernel, not fwd");
+  if (info->op != op) {
+    throw std::invalid_argument("kernel '" + name + "' is a " + info->op + " kernel, not " + op);
   }
-  if (head_dim != info->head_dim) {
-    throw std::invalid_argument("kernel '" + name + "' is built for head_dim " +
-                                std::to_string(info->head_dim) + ", got " +
+  return *info;
+}
+
+void fill_common(FwdParams& p, const KernelInfo& info, uintptr_t q, uintptr_t k, uintptr_t v,
+                 uintptr_t o, uintptr_t lse, int batch, int heads_q, int heads_kv, int seqlen_q,
+                 int seqlen_k, int head_dim, Strides qs, Strides ks, Strides vs, Strides os,
+                 double scale, bool causal) {
+  if (head_dim != info.head_dim) {
+    throw std::invalid_argument("kernel '" + info.name + "' is built for head_dim " +
+                                std::to_string(info.head_dim) + ", got " +
                                 std::to_string(head_dim));
   }
   if (batch < 1 || heads_q < 1 || heads_kv < 1 || seqlen_q < 1 || seqlen_k < 1 ||
@@ -99,7 +104,6 @@ void fwd(const std::string& name, uintptr_t q, uintptr_t k, uintptr_t v, uintptr
   if (!(scale > 0.0) || !std::isfinite(scale)) {
     throw std::invalid_argument("scale must be a finite positive number");
   }
-  FwdParams p;
   p.q = reinterpret_cast<const void*>(q);
   p.k = reinterpret_cast<const void*>(k);
   p.v = reinterpret_cast<const void*>(v);
@@ -119,73 +123,45 @@ void fwd(const std::string& name, uintptr_t q, uintptr_t k, uintptr_t v, uintptr
   p.scale = static_cast<float>(scale);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   p.causal = causal;
-  cudaError_t err = info->launch(p, reinterpret_cast<cudaStream_t>(stream));
+}
+
+void check_launch(cudaError_t err, const std::string& name) {
   if (err != cudaSuccess) {
     throw std::runtime_error("kernel '" + name + "' failed to launch: " + cudaGetErrorString(err));
   }
 }
 
+void fwd(const std::string& name, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o,
+         uintptr_t lse, int batch, int heads_q, int heads_kv, int seqlen_q, int seqlen_k,
+         int head_dim, Strides qs, Strides ks, Strides vs, Strides os, double scale, bool causal,
+         uintptr_t stream) {
+  const KernelInfo& info = find_kernel(name, "fwd");
+  FwdParams p;
+  fill_common(p, info, q, k, v, o, lse, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim,
+              qs, ks, vs, os, scale, causal);
+  check_launch(info.launch(p, reinterpret_cast<cudaStream_t>(stream)), name);
+}
 
 void bwd(const std::string& name, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o,
          uintptr_t lse, uintptr_t dout, uintptr_t dq, uintptr_t dk, uintptr_t dv,
          uintptr_t dq_accum, uintptr_t dsum, int batch, int heads_q, int heads_kv, int seqlen_q,
          int seqlen_k, int head_dim, Strides qs, Strides ks, Strides vs, Strides os, Strides dos,
          Strides dqs, Strides dks, Strides dvs, double scale, bool causal, uintptr_t stream) {
-  const KernelInfo* info = Registry::instance().find(name);
-  if (info == nullptr) throw std::invalid_argument("unknown kernel '" + name + "'");
-  if (info->launch_bwd == nullptr) {
-    throw std::invalid_argument("kernel '" + name + "' is a " + info->op + " kernel, not bwd");
-  }
-  if (head_dim != info->head_dim) {
-    throw std::invalid_argument("kernel '" + name + "' is built for head_dim " +
-                                std::to_string(info->head_dim) + ", got " +
-                                std::to_string(head_dim));
-  }
-  if (batch < 1 || heads_q < 1 || heads_kv < 1 || seqlen_q < 1 || seqlen_k < 1 ||
-      heads_q % heads_kv != 0) {
-    throw std::invalid_argument("invalid sizes: batch, heads and seqlens must be positive and "
-                                "heads_q a multiple of heads_kv");
-  }
-  if (batch > 65535 || heads_q > 65535) {
-    throw std::invalid_argument("batch and heads_q must be at most 65535");
-  }
-  if (!(scale > 0.0) || !std::isfinite(scale)) {
-    throw std::invalid_argument("scale must be a finite positive number");
-  }
+  const KernelInfo& info = find_kernel(name, "bwd");
   BwdParams p;
-  p.q = reinterpret_cast<const void*>(q);
-  p.k = reinterpret_cast<const void*>(k);
-  p.v = reinterpret_cast<const void*>(v);
-  p.o = reinterpret_cast<void*>(o);
-  p.lse = reinterpret_cast<float*>(lse);
+  fill_common(p, info, q, k, v, o, lse, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim,
+              qs, ks, vs, os, scale, causal);
   p.dout = reinterpret_cast<const void*>(dout);
   p.dq = reinterpret_cast<void*>(dq);
   p.dk = reinterpret_cast<void*>(dk);
   p.dv = reinterpret_cast<void*>(dv);
   p.dq_accum = reinterpret_cast<float*>(dq_accum);
   p.dsum = reinterpret_cast<float*>(dsum);
-  std::tie(p.q_batch_stride, p.q_head_stride, p.q_row_stride) = qs;
-  std::tie(p.k_batch_stride, p.k_head_stride, p.k_row_stride) = ks;
-  std::tie(p.v_batch_stride, p.v_head_stride, p.v_row_stride) = vs;
-  std::tie(p.o_batch_stride, p.o_head_stride, p.o_row_stride) = os;
   std::tie(p.do_batch_stride, p.do_head_stride, p.do_row_stride) = dos;
   std::tie(p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride) = dqs;
   std::tie(p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride) = dks;
   std::tie(p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride) = dvs;
-  p.batch = batch;
-  p.heads_q = heads_q;
-  p.heads_kv = heads_kv;
-  p.group = heads_q / heads_kv;
-  p.seqlen_q = seqlen_q;
-  p.seqlen_k = seqlen_k;
-  p.head_dim = head_dim;
-  p.scale = static_cast<float>(scale);
-  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
-  p.causal = causal;
-  cudaError_t err = info->launch_bwd(p, reinterpret_cast<cudaStream_t>(stream));
-  if (err != cudaSuccess) {
-    throw std::runtime_error("kernel '" + name + "' failed to launch: " + cudaGetErrorString(err));
-  }
+  check_launch(info.launch_bwd(p, reinterpret_cast<cudaStream_t>(stream)), name);
 }
 }  // namespace
 

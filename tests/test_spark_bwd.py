@@ -3,7 +3,6 @@ gradients of every compiled backward kernel against float64 autograd."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from sparktune.backends.reference import reference_attention
 from sparktune.backends.spark import SparkBackend, load_extension
 from sparktune.problem import DeviceInfo, Problem
 from tests._oracle import assert_grads_close_to_reference
-from tests.test_spark import ACC16_FACTOR, SHAPES
+from tests.test_spark import ACC16_FACTOR, DTYPES, SHAPES, _cutlass_include, needs_ext
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "csrc"))
@@ -24,8 +23,6 @@ from kernel_space import backward_space, forward_space, full_space, select  # no
 
 _C, _C_ERR = load_extension()
 KERNELS = [k["name"] for k in _C.kernels() if k["op"] == "bwd"] if _C is not None else []
-needs_ext = pytest.mark.skipif(_C is None, reason=f"sparktune._C not built: {_C_ERR}")
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 # ---------------------------------------------------------------- CPU: the declared space
@@ -43,14 +40,6 @@ def test_backward_names_are_unique_and_encode_their_parameters():
     assert {32, 64, 128} <= {e.head_dim for e in entries if e.family == 80}
     assert {32, 64, 128} <= {e.head_dim for e in entries if e.family == 70}
     assert select(full_space(), "bwd_*") == entries
-
-
-def _cutlass_include() -> str | None:
-    spec = importlib.util.find_spec("cutlass_library")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    inc = Path(list(spec.submodule_search_locations)[0]) / "source" / "include"
-    return str(inc) if (inc / "cute" / "tensor.hpp").exists() else None
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
