@@ -115,15 +115,15 @@ def test_every_declared_config_fits_somewhere():
 @pytest.mark.parametrize(
     "d, causal, expected",
     [
-        (64, False, "tfwd_m128n64_w4s3"),
-        (64, True, "tfwd_m64n128_w4s3"),
-        (128, False, "tfwd_m128n64_w8s3"),
-        (128, True, "tfwd_m64n64_w4s3"),
-        (96, False, "tfwd_m128n64_w8s3"),
-        (32, True, "tfwd_m64n128_w4s3"),
+        (64, False, "tfwd_m128n64_w8s3"),
+        (64, True, "tfwd_m128n64_w8s3"),
+        (128, False, "tfwd_m128n128_w8s3"),
+        (128, True, "tfwd_m128n128_w8s3"),
+        (96, False, "tfwd_m128n128_w8s3"),
+        (32, True, "tfwd_m128n64_w8s3"),
     ],
 )
-def test_defaults_on_h200_follow_the_anchors(d, causal, expected):
+def test_defaults_on_h200_follow_the_sweep(d, causal, expected):
     assert space.default_config_name(_problem(d=d, causal=causal), H200) == expected
 
 

@@ -227,23 +227,21 @@ def config_reasons(cfg: Config, problem: Problem, device: DeviceInfo | None) -> 
 
 
 # Heuristic defaults for an untuned problem, best first, by (op, head-dim bucket, causal). The
-# forward choices follow the H200 sweep in ANCHORS.md (Triton 3.6): hd 64 non-causal 128x64/4
-# warps/3 stages, causal 64x128/4/3; hd 128 non-causal 128x64/8/3, causal 64x64/4/3. The
-# backward ones are the largest tiles whose dK/dV kernel does not spill on sm_90 with Triton 3.6
-# (compile_offline; the dK/dV accumulators and the resident K, V tiles fill the register file),
-# not yet timed. Later entries are fallbacks for GPUs with less shared memory (sm_86/89/120:
-# 99 KiB).
+# first entries are the configs that won most shapes of the 16k-token sweep on an H200 with
+# Triton 3.6 (bench/triton_sweep.py: forward and forward+backward, 12 heads, seqlen 512-16k);
+# the next ones are the ANCHORS.md winners and the largest tiles whose backward does not spill.
+# Later entries are fallbacks for GPUs with less shared memory (sm_86/89/120: 99 KiB).
 _DEFAULTS: dict[tuple[str, int, bool], tuple[str, ...]] = {
-    ("fwd", 64, False): ("tfwd_m128n64_w4s3", "tfwd_m128n64_w4s2", "tfwd_m64n64_w4s2"),
-    ("fwd", 64, True): ("tfwd_m64n128_w4s3", "tfwd_m64n64_w4s3", "tfwd_m64n64_w4s2"),
-    ("fwd", 128, False): ("tfwd_m128n64_w8s3", "tfwd_m128n64_w8s2", "tfwd_m64n64_w4s2"),
-    ("fwd", 128, True): ("tfwd_m64n64_w4s3", "tfwd_m64n64_w4s2", "tfwd_m64n32_w4s2"),
+    ("fwd", 64, False): ("tfwd_m128n64_w8s3", "tfwd_m128n64_w4s3", "tfwd_m128n64_w4s2", "tfwd_m64n64_w4s2"),
+    ("fwd", 64, True): ("tfwd_m128n64_w8s3", "tfwd_m64n128_w4s3", "tfwd_m64n64_w4s3", "tfwd_m64n64_w4s2"),
+    ("fwd", 128, False): ("tfwd_m128n128_w8s3", "tfwd_m128n64_w8s3", "tfwd_m128n64_w8s2", "tfwd_m64n64_w4s2"),
+    ("fwd", 128, True): ("tfwd_m128n128_w8s3", "tfwd_m64n64_w4s3", "tfwd_m64n64_w4s2", "tfwd_m64n32_w4s2"),
     ("fwd", 256, False): ("tfwd_m64n64_w8s2", "tfwd_m64n32_w4s2"),
     ("fwd", 256, True): ("tfwd_m64n64_w8s2", "tfwd_m64n32_w4s2"),
-    ("bwd", 64, False): ("tbwd_m32n128_w8s3", "tbwd_m32n128_w8s2", "tbwd_m32n64_w4s2"),
-    ("bwd", 64, True): ("tbwd_m32n128_w8s3", "tbwd_m32n128_w8s2", "tbwd_m32n64_w4s2"),
-    ("bwd", 128, False): ("tbwd_m32n128_w8s2", "tbwd_m32n64_w8s2"),
-    ("bwd", 128, True): ("tbwd_m32n128_w8s2", "tbwd_m32n64_w8s2"),
+    ("bwd", 64, False): ("tbwd_m32n128_w4s3", "tbwd_m32n128_w8s3", "tbwd_m32n128_w8s2", "tbwd_m32n64_w4s2"),
+    ("bwd", 64, True): ("tbwd_m64n64_w4s2", "tbwd_m32n128_w8s3", "tbwd_m32n128_w8s2", "tbwd_m32n64_w4s2"),
+    ("bwd", 128, False): ("tbwd_m64n64_w4s2", "tbwd_m32n128_w8s2", "tbwd_m32n64_w8s2"),
+    ("bwd", 128, True): ("tbwd_m64n64_w4s2", "tbwd_m32n128_w8s2", "tbwd_m32n64_w8s2"),
     ("bwd", 256, False): ("tbwd_m32n64_w8s2", "tbwd_m32n64_w8s3"),
     ("bwd", 256, True): ("tbwd_m32n64_w8s2", "tbwd_m32n64_w8s3"),
 }
