@@ -3,7 +3,15 @@ read-only shipped layer."""
 
 from __future__ import annotations
 
-from ._engine import ENV_DB, default_path, resolve_url, safe_url
+from ._engine import (
+    ENV_DB,
+    default_path,
+    is_network,
+    is_transient_error,
+    resolve_url,
+    safe_url,
+    scrub,
+)
 from ._jsonl import (
     ImportReport,
     LineError,
@@ -56,6 +64,8 @@ __all__ = [
     "device_label",
     "dumps_record",
     "import_jsonl",
+    "is_network",
+    "is_transient_error",
     "layered",
     "load_shipped",
     "now_utc",
@@ -70,6 +80,7 @@ __all__ = [
     "registry_kernel_check",
     "resolve_url",
     "safe_url",
+    "scrub",
     "shipped_dir",
     "shipped_files",
     "write_jsonl",

@@ -1,15 +1,19 @@
 """Where the store lives and how to connect to it.
 
 Everything that depends on the SQL dialect is in this module: the SQLite pragmas (WAL,
-busy timeout), explicit ``BEGIN IMMEDIATE`` for SQLite write transactions, and the lock
-that serialises schema changes on PostgreSQL. The store and the schema code above it use
-portable SQLAlchemy only.
+busy timeout), explicit ``BEGIN IMMEDIATE`` for SQLite write transactions, PostgreSQL's
+connection settings (connect timeout, TCP keepalives, statement timeout), the server's clock,
+the lock that serialises schema changes on PostgreSQL, and which errors mean "the database
+went away for a moment". The store and the code above it use portable SQLAlchemy only.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +22,17 @@ from sqlalchemy.engine import URL, Connection, Engine, make_url
 
 __all__ = [
     "ENV_DB",
+    "cache_dir",
     "default_path",
+    "insert_ignore",
+    "is_transient_error",
+    "is_network",
     "lock_for_schema_change",
     "make_engine",
     "resolve_url",
     "safe_url",
+    "scrub",
+    "server_time",
     "sqlite_file",
     "write_connection",
 ]
@@ -31,6 +41,11 @@ __all__ = [
 ENV_DB = "SPARKTUNE_DB"
 
 _FILE_NAME = "tuning.sqlite3"
+
+
+def cache_dir() -> Path:
+    """sparktune's directory in the user's cache (the default store, dispatch snapshots)."""
+    return _cache_dir()
 
 
 def _cache_dir() -> Path:
@@ -59,7 +74,21 @@ def resolve_url(url: str | os.PathLike[str] | URL | None = None) -> URL:
     text = os.fspath(text)
     if "://" not in text:
         return make_url(f"sqlite:///{Path(text).expanduser().resolve()}")
-    return make_url(text)
+    return _default_driver(make_url(text))
+
+
+def _default_driver(url: URL) -> URL:
+    """``postgresql://`` means psycopg2 to SQLAlchemy; where only psycopg 3 is installed (the
+    ``postgres`` extra), use that instead of failing on the import."""
+    if url.drivername == "postgresql" and importlib.util.find_spec("psycopg2") is None:
+        if importlib.util.find_spec("psycopg") is not None:
+            return url.set(drivername="postgresql+psycopg")
+    return url
+
+
+def is_network(url: URL) -> bool:
+    """Whether the store is a server (as opposed to a SQLite file or memory)."""
+    return url.get_backend_name() != "sqlite"
 
 
 def safe_url(url: str | os.PathLike[str] | URL | None) -> str:
@@ -69,6 +98,23 @@ def safe_url(url: str | os.PathLike[str] | URL | None) -> str:
     except Exception:  # noqa: BLE001 - an unparsable URL is shown as a placeholder
         return "<unparsable database URL>"
     return u.render_as_string(hide_password=True)
+
+
+def scrub(text: str, *urls: object) -> str:
+    """``text`` with the password of each URL (as given and percent-encoded) replaced by
+    ``***``: for messages that come from drivers and libraries, which may quote a URL."""
+    from urllib.parse import quote
+
+    for url in urls:
+        try:
+            password = resolve_url(url).password  # type: ignore[arg-type]
+        except Exception:  # noqa: BLE001
+            password = None
+        if not password:
+            continue
+        for form in {str(password), quote(str(password), safe="")}:
+            text = text.replace(form, "***")
+    return text
 
 
 def sqlite_file(url: URL) -> Path | None:
@@ -81,9 +127,12 @@ def sqlite_file(url: URL) -> Path | None:
     return Path(db)
 
 
-def make_engine(url: URL, *, timeout: float = 30.0, create_dir: bool = True) -> Engine:
+def make_engine(
+    url: URL, *, timeout: float = 30.0, create_dir: bool = True, statement_timeout: float | None = None
+) -> Engine:
     """An engine for ``url``. ``timeout`` is SQLite's busy timeout and the connect timeout of
-    network databases, in seconds."""
+    network databases, in seconds. ``statement_timeout`` (PostgreSQL) bounds every statement
+    and lock wait, for readers that must never hang on the database."""
     backend = url.get_backend_name()
     kwargs: dict[str, Any] = {}
     if backend == "sqlite":
@@ -97,9 +146,23 @@ def make_engine(url: URL, *, timeout: float = 30.0, create_dir: bool = True) -> 
         _setup_sqlite(engine, timeout)
         return engine
     if backend == "postgresql":
+        # a server restarted under us: pooled connections are tested before use
         kwargs["pool_pre_ping"] = True
-        kwargs["connect_args"] = {"connect_timeout": max(1, int(timeout))}
+        kwargs["connect_args"] = postgres_connect_args(url, timeout=timeout, statement_timeout=statement_timeout)
     return sa.create_engine(url, **kwargs)
+
+
+def postgres_connect_args(url: URL, *, timeout: float, statement_timeout: float | None = None) -> dict[str, Any]:
+    """libpq settings: a bounded connect, TCP keepalives (a server that vanished is noticed in
+    seconds, not hours) and, when asked, a statement and lock timeout."""
+    args: dict[str, Any] = {"connect_timeout": max(1, math.ceil(timeout))}
+    if url.get_driver_name() in ("psycopg", "psycopg2", "psycopg2cffi"):
+        args.update(keepalives=1, keepalives_idle=10, keepalives_interval=5, keepalives_count=3)
+        if statement_timeout is not None:
+            ms = max(1, int(statement_timeout * 1000))
+            options = str(url.query.get("options", ""))
+            args["options"] = f"{options} -c statement_timeout={ms} -c lock_timeout={ms}".strip()
+    return args
 
 
 def _setup_sqlite(engine: Engine, timeout: float) -> None:
@@ -142,3 +205,58 @@ def lock_for_schema_change(conn: Connection) -> None:
     transaction. SQLite's write transaction is already exclusive between writers."""
     if conn.dialect.name == "postgresql":
         conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": 0x5350524B})  # "SPRK"
+
+
+def server_time(conn: Connection) -> float:
+    """The database server's clock in seconds since the epoch. Leases are compared against it,
+    so the clocks of the worker hosts do not matter. (SQLite's server is this machine.)"""
+    name = conn.dialect.name
+    if name == "postgresql":
+        return float(conn.execute(sa.text("SELECT extract(epoch FROM clock_timestamp())")).scalar_one())
+    if name == "sqlite":
+        return float(conn.execute(sa.text("SELECT (julianday('now') - 2440587.5) * 86400.0")).scalar_one())
+    return time.time()
+
+
+def is_transient_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) means the database was away or
+    busy for a moment -- a dropped connection, a server restarting or refusing connections,
+    a lock -- so that the same work can be retried once it answers again."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, sa.exc.DBAPIError) and e.connection_invalidated:
+            return True
+        if isinstance(e, (sa.exc.OperationalError, sa.exc.InterfaceError)):
+            text = str(getattr(e, "orig", e)).lower()
+            if "sqlite" in type(getattr(e, "orig", e)).__module__:
+                return "locked" in text or "busy" in text
+            return True
+        if type(e).__module__.startswith("psycopg") and type(e).__name__ in (
+            "OperationalError", "InterfaceError", "AdminShutdown", "CannotConnectNow", "ConnectionTimeout",
+        ):
+            return True
+        if isinstance(e, (ConnectionError, TimeoutError)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def insert_ignore(conn: Connection, table: sa.Table, values: dict[str, Any], key: str) -> bool:
+    """INSERT a row unless one with the same ``key`` exists; True when it was inserted. One
+    statement (``ON CONFLICT DO NOTHING``) on PostgreSQL and SQLite: two workers claiming the
+    same row never see an error, one of them simply gets nothing."""
+    name = conn.dialect.name
+    if name in ("postgresql", "sqlite"):
+        if name == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert
+        else:
+            from sqlalchemy.dialects.sqlite import insert
+        stmt = insert(table).values(**values).on_conflict_do_nothing(index_elements=[key])
+        return conn.execute(stmt).rowcount == 1
+    exists = conn.execute(sa.select(table.c[key]).where(table.c[key] == values[key])).first()
+    if exists is not None:
+        return False
+    conn.execute(sa.insert(table).values(**values))
+    return True

@@ -27,6 +27,10 @@ _PROBLEM_COLUMNS = ("op", "dtype", "batch", "heads_q", "heads_kv", "seqlen_q", "
                     "causal", "allow_fp16_accum")
 
 
+#: the oldest schema whose records table this code reads as it is (schema 3 added a table)
+READABLE_FROM = 2
+
+
 class StoreMissingError(FileNotFoundError):
     """The store does not exist and was not to be created."""
 
@@ -124,8 +128,9 @@ class Store:
     """A tuning store at ``url`` (None: ``$SPARKTUNE_DB`` or the default SQLite file).
 
     ``create``: make the tables when the database has none (and the SQLite file when it does
-    not exist); ``upgrade``: bring an older schema up to date. ``timeout`` (seconds) bounds
-    waiting for locks and connections.
+    not exist); ``upgrade``: bring an older schema up to date; ``readonly``: change nothing,
+    only read (a source of ``db merge``). ``timeout`` (seconds) bounds waiting for locks and
+    connections; ``statement_timeout`` (PostgreSQL) bounds every statement.
     """
 
     def __init__(
@@ -135,6 +140,8 @@ class Store:
         create: bool = True,
         upgrade: bool = True,
         timeout: float = 30.0,
+        statement_timeout: float | None = None,
+        readonly: bool = False,
     ) -> None:
         self.url = resolve_url(url)
         self.display_url = safe_url(self.url)
@@ -142,15 +149,33 @@ class Store:
         path = sqlite_file(self.url)
         if path is not None and not create and not path.exists():
             raise StoreMissingError(f"no tuning database at {path}")
-        self.engine = make_engine(self.url, timeout=timeout, create_dir=create)
+        self.engine = make_engine(self.url, timeout=timeout, create_dir=create, statement_timeout=statement_timeout)
         try:
-            self.version = _with_retry(
-                lambda: ensure_schema(self.engine, where=self.display_url, create=create, upgrade=upgrade),
-                timeout,
-            )
+            if readonly:
+                self.version = _with_retry(lambda: self._readable_version(), timeout)
+            else:
+                self.version = _with_retry(
+                    lambda: ensure_schema(self.engine, where=self.display_url, create=create, upgrade=upgrade),
+                    timeout,
+                )
         except BaseException:
             self.engine.dispose()
             raise
+
+    def _readable_version(self) -> int | None:
+        """The schema version of a store opened read-only: never changed; refused when its
+        records cannot be read by this code (older than :data:`READABLE_FROM`, or newer)."""
+        from ._schema import SchemaOutdatedError, _check_not_newer
+
+        with self.engine.connect() as conn, conn.begin():
+            version = stored_version(conn)
+        _check_not_newer(version, self.display_url)
+        if version is not None and version < READABLE_FROM:
+            raise SchemaOutdatedError(
+                f"{self.display_url} has tuning-store schema version {version}; it is read without "
+                f"changes here, which needs version {READABLE_FROM} or later: run `sparktune db upgrade` on it"
+            )
+        return version
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -176,24 +201,29 @@ class Store:
     def add(self, records: Iterable[Record]) -> int:
         """Insert records in one transaction; records whose uid is already stored are
         skipped. Returns how many were inserted."""
-        rows = [_row_values(r) for r in records]
-        if not rows or self.version is None:
-            if rows:
+        records = list(records)
+        if not records or self.version is None:
+            if records:
                 raise StoreMissingError(f"{self.display_url} has no sparktune tables")
             return 0
 
         def run() -> int:
             with write_connection(self.engine) as conn, conn.begin():
-                existing = self._existing_uids(conn, [r["uid"] for r in rows])
-                fresh: dict[str, dict[str, Any]] = {}
-                for r in rows:
-                    if r["uid"] not in existing:
-                        fresh.setdefault(r["uid"], r)
-                if fresh:
-                    conn.execute(sa.insert(Measurement), list(fresh.values()))
-                return len(fresh)
+                return self.insert(conn, records)
 
         return _with_retry(run, self.timeout)
+
+    def insert(self, conn: sa.Connection, records: Iterable[Record]) -> int:
+        """Insert records inside the caller's write transaction (see :meth:`add`)."""
+        rows = [_row_values(r) for r in records]
+        existing = self._existing_uids(conn, [r["uid"] for r in rows])
+        fresh: dict[str, dict[str, Any]] = {}
+        for r in rows:
+            if r["uid"] not in existing:
+                fresh.setdefault(r["uid"], r)
+        if fresh:
+            conn.execute(sa.insert(Measurement), list(fresh.values()))
+        return len(fresh)
 
     @staticmethod
     def _existing_uids(conn: sa.Connection, uids: Sequence[str]) -> set[str]:
@@ -269,13 +299,29 @@ class Store:
         return before, int(after or SCHEMA_VERSION)
 
 
-def open_error_text(exc: BaseException) -> str:
-    """One line describing why a store could not be used (no traceback, no password)."""
+def open_error_text(exc: BaseException, url: object = None) -> str:
+    """One line describing why a store could not be used (no traceback; the password of
+    ``url`` -- None: ``$SPARKTUNE_DB`` -- is hidden even where a driver quotes it)."""
+    from ._engine import scrub
     from ._schema import SchemaError
 
+    # a library's wrapper (e.g. Optuna's StorageInternalError) says less than the driver error
+    # it was raised from
+    inner: BaseException | None = exc
+    seen: set[int] = set()
+    while inner is not None and not isinstance(inner, DBAPIError) and id(inner) not in seen:
+        seen.add(id(inner))
+        inner = inner.__cause__ or inner.__context__
+    if not isinstance(inner, DBAPIError):
+        inner = None
+    if inner is not None and not isinstance(exc, (SchemaError, StoreMissingError)):
+        exc = inner
     if isinstance(exc, (SchemaError, StoreMissingError)):
-        return str(exc)
-    if isinstance(exc, DBAPIError) and exc.orig is not None:
-        return f"{type(exc.orig).__name__}: {str(exc.orig).strip().splitlines()[0]}"
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
+        text = str(exc)
+    elif isinstance(exc, DBAPIError) and exc.orig is not None:
+        lines = str(exc.orig).strip().splitlines()
+        text = f"{type(exc.orig).__name__}: {lines[0] if lines else ''}"
+    else:
+        lines = str(exc).strip().splitlines()
+        text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    return scrub(text, url)
