@@ -1,5 +1,5 @@
-"""The tuning store: SQLAlchemy models, schema versions, JSON Lines import/export and the
-read-only shipped layer."""
+"""The tuning store: SQLAlchemy models, schema versions, JSON Lines import/export, the
+read-only shipped layer and the lease table of distributed tuning."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from ._layers import (
     shipped_dir,
     shipped_files,
 )
+from ._leases import Claim, LeaseBoard, LeaseInfo, LeaseLost, new_owner_id, work_id
 from ._records import (
     FORMAT_VERSION,
     STATUSES,
@@ -51,7 +52,11 @@ __all__ = [
     "FORMAT_VERSION",
     "SCHEMA_VERSION",
     "STATUSES",
+    "Claim",
     "ImportReport",
+    "LeaseBoard",
+    "LeaseInfo",
+    "LeaseLost",
     "LineError",
     "Record",
     "RecordError",
@@ -68,6 +73,7 @@ __all__ = [
     "is_transient_error",
     "layered",
     "load_shipped",
+    "new_owner_id",
     "now_utc",
     "open_error_text",
     "parse_jsonl",
@@ -83,5 +89,6 @@ __all__ = [
     "scrub",
     "shipped_dir",
     "shipped_files",
+    "work_id",
     "write_jsonl",
 ]

@@ -7,7 +7,7 @@ from datetime import datetime
 import sqlalchemy as sa
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-__all__ = ["Base", "Measurement", "Meta"]
+__all__ = ["Base", "Lease", "Measurement", "Meta"]
 
 
 class Base(DeclarativeBase):
@@ -84,3 +84,34 @@ class Measurement(Base):
             "op", "dtype", "head_dim", "seqlen_q", "seqlen_k", "batch", "heads_q",
         ),
     )
+
+
+class Lease(Base):
+    """A claim on one unit of distributed tuning work (schema 3): one problem on one device
+    fingerprint and kernel build, within a named run. A worker holds the lease while it tunes
+    and renews it by heartbeat; an expired lease may be taken over by another worker; a
+    finished one (``done``) is never tuned again in that run. Times are the database server's
+    clock, in seconds since the epoch, so that the worker hosts' clocks do not matter."""
+
+    __tablename__ = "sparktune_leases"
+
+    #: sha1 of the run name and the label
+    work: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    run: Mapped[str] = mapped_column(sa.String(128), default="")
+    #: problem key, device fingerprint and build id, readable
+    label: Mapped[str] = mapped_column(sa.Text)
+    #: the worker holding (or that last held) the lease: host:pid:token
+    owner: Mapped[str] = mapped_column(sa.String(255))
+    #: "running", "done" or "failed"
+    state: Mapped[str] = mapped_column(sa.String(16))
+    #: how many times the work was claimed (a takeover counts)
+    attempts: Mapped[int] = mapped_column(sa.Integer, default=1)
+    claimed_at: Mapped[float] = mapped_column(sa.Float)
+    heartbeat_at: Mapped[float] = mapped_column(sa.Float)
+    expires_at: Mapped[float] = mapped_column(sa.Float)
+    finished_at: Mapped[float | None] = mapped_column(sa.Float)
+    #: records committed with the finish
+    records: Mapped[int] = mapped_column(sa.Integer, default=0)
+    message: Mapped[str] = mapped_column(sa.Text, default="")
+
+    __table_args__ = (sa.Index("ix_sparktune_leases_run", "run", "state"),)

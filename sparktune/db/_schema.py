@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from ._engine import lock_for_schema_change, write_connection
-from ._models import Base, Measurement, Meta
+from ._models import Base, Lease, Measurement, Meta
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 #: the schema version this code writes
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 def _add_column(conn: Connection, table: sa.Table, name: str) -> None:
@@ -45,8 +45,13 @@ def _v1_to_v2(conn: Connection) -> None:
         _add_column(conn, Measurement.__table__, name)
 
 
+def _v2_to_v3(conn: Connection) -> None:
+    """The lease table of distributed tuning."""
+    Lease.__table__.create(conn)
+
+
 #: MIGRATIONS[n] upgrades a store at version n to n + 1, inside one transaction
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _v1_to_v2}
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _v1_to_v2, 2: _v2_to_v3}
 
 
 class SchemaError(RuntimeError):
