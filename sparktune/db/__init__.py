@@ -29,6 +29,7 @@ from ._layers import (
     rank,
     shipped_dir,
     shipped_files,
+    verified,
 )
 from ._leases import Claim, LeaseBoard, LeaseInfo, LeaseLost, new_owner_id, work_id
 from ._records import (
@@ -42,6 +43,7 @@ from ._records import (
     problem_key,
     record_from_json,
     record_to_json,
+    validate_record,
 )
 from ._schema import SCHEMA_VERSION, SchemaError, SchemaOutdatedError, SchemaTooNewError
 from ._store import Store, StoreMissingError, open_error_text
@@ -89,6 +91,8 @@ __all__ = [
     "scrub",
     "shipped_dir",
     "shipped_files",
+    "validate_record",
+    "verified",
     "work_id",
     "write_jsonl",
 ]

@@ -91,9 +91,16 @@ def read_jsonl_file(path: str | Path, *, check: KernelCheck | None = None) -> tu
         return parse_jsonl(fp, source=str(path), check=check)
 
 
-def registry_kernel_check() -> KernelCheck:
+#: backends whose catalogue of kernels is the compiled family that ``build_id`` identifies
+BUILD_BOUND_BACKENDS = ("spark",)
+
+
+def registry_kernel_check(build_id: str | None = None) -> KernelCheck:
     """A check that the record's backend is registered here and, when that backend can list
-    its configurations in this process, that the config is one of them."""
+    its configurations in this process, that the config is one of them. With ``build_id``
+    (this installation's kernel build), the configs of a :data:`BUILD_BOUND_BACKENDS` backend
+    are checked only in records of that build: another build's catalogue is not known here,
+    and its records are kept (dispatch never uses them on this build)."""
     from ..registry import backends
 
     registered = backends()
@@ -104,6 +111,8 @@ def registry_kernel_check() -> KernelCheck:
         if b is None:
             names = ", ".join(sorted(registered)) or "none"
             return f"backend: unknown backend {r.backend!r} (registered: {names})"
+        if build_id is not None and r.build_id != build_id and r.backend in BUILD_BOUND_BACKENDS:
+            return None
         key = (r.backend, r.problem.op)
         if key not in known:
             try:

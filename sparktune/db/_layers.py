@@ -1,10 +1,15 @@
 """Layers of records and how the best candidate of a problem is chosen from them.
 
-Layers, most specific first: the user's (or shared) database, then the read-only files
-shipped in ``tuning_db/`` (one JSON Lines file per GPU model). For a problem, the first layer
-that has a usable record decides; within a layer the latest measurement of each candidate
-counts, records measured with this exact driver and CUDA version are preferred over records of
-the same GPU model with another driver, and candidates are ranked by median time.
+Layers, most specific first: the user's (or shared) database -- or, when a shared server is
+unreachable, dispatch's local snapshot of it -- then the read-only files shipped in
+``tuning_db/`` (one JSON Lines file per GPU model). For a problem, the first layer that has a
+usable record decides. Within a layer: each host's latest measurement of a candidate counts (a
+re-tune replaces that host's figure, and a later failure hides that host's earlier success);
+of several hosts' figures for one candidate the faster verified one counts (records merged
+from other machines compete on speed); records measured with this exact driver and CUDA
+version are preferred over records of the same GPU model with another driver; candidates are
+ranked by median time. Verified: status ``ok`` (checked against the reference, then timed)
+and, where both are known, an error within the bound it was checked against.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from ..problem import DeviceInfo, Problem
 from ._jsonl import LineError, read_jsonl_file
 from ._records import Record
 
-__all__ = ["ENV_SHIPPED", "layered", "load_shipped", "rank", "shipped_dir", "shipped_files"]
+__all__ = ["ENV_SHIPPED", "layered", "load_shipped", "rank", "shipped_dir", "shipped_files", "verified"]
 
 #: directory of shipped records (overrides the packaged one; empty: no shipped layer)
 ENV_SHIPPED = "SPARKTUNE_SHIPPED_DB"
@@ -62,24 +67,32 @@ def _same_fingerprint(r: Record, device: DeviceInfo | None) -> bool:
     return device is not None and r.device.driver == device.driver and r.device.cuda == device.cuda
 
 
+def verified(r: Record) -> bool:
+    """An ``ok`` record with a time, within its error bound where both are known."""
+    if r.status != "ok" or r.median_ms is None:
+        return False
+    return r.error is None or r.error_limit is None or r.error <= r.error_limit
+
+
 def rank(records: Iterable[Record], device: DeviceInfo | None = None) -> dict[Problem, list[Record]]:
-    """Usable records per problem, fastest first: the latest measurement of each candidate
-    (a later failure or wrong result removes a candidate), ``ok`` only."""
+    """Usable records per problem, fastest first: each host's latest measurement of each
+    candidate (a later failure or wrong result on a host removes that host's figure), verified
+    ones only; a candidate measured on several hosts counts with its fastest figure."""
     latest: dict[tuple, Record] = {}
     for r in records:
-        key = (r.problem, r.device.driver, r.device.cuda, r.backend, r.config)
+        key = (r.problem, r.device.driver, r.device.cuda, r.backend, r.config, r.host)
         old = latest.get(key)
         if old is None or r.measured_at >= old.measured_at:
             latest[key] = r
     per_problem: dict[Problem, list[Record]] = {}
     for r in latest.values():
-        if r.status == "ok" and r.median_ms is not None:
+        if verified(r):
             per_problem.setdefault(r.problem, []).append(r)
     out: dict[Problem, list[Record]] = {}
     for problem, recs in per_problem.items():
         exact = [r for r in recs if _same_fingerprint(r, device)]
         chosen = exact or recs
-        chosen.sort(key=lambda r: (r.median_ms, r.backend, r.config))
+        chosen.sort(key=lambda r: (r.median_ms, r.backend, r.config, r.measured_at, r.uid))
         # one entry per candidate (records of other drivers may repeat it)
         seen: set[tuple[str, str]] = set()
         out[problem] = [r for r in chosen if not ((r.backend, r.config) in seen or seen.add((r.backend, r.config)))]

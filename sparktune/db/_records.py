@@ -27,6 +27,7 @@ __all__ = [
     "problem_key",
     "record_from_json",
     "record_to_json",
+    "validate_record",
 ]
 
 #: version of the JSON Lines record format (independent of the SQL schema version)
@@ -317,6 +318,8 @@ def record_from_json(obj: Any, *, source: str = "") -> Record:
     tflops = top.float_("tflops")
     error = top.float_("error")
     error_limit = top.float_("error_limit", required=False)
+    if status == "ok" and error is not None and error_limit is not None and error > error_limit:
+        raise RecordError("error", f"an ok record must be within its error_limit ({error!r} > {error_limit!r})")
     message = top.str_("message")
     host = top.str_("host")
     when_text = top.str_("measured_at", allow_empty=False)
@@ -353,3 +356,9 @@ def record_from_json(obj: Any, *, source: str = "") -> Record:
         uid=uid,
         source=source,
     )
+
+
+def validate_record(r: Record) -> Record:
+    """``r`` checked exactly as a line of ``db import`` is (raises RecordError naming the
+    field): for records that arrive from another database rather than from a file."""
+    return record_from_json(record_to_json(r), source=r.source)
