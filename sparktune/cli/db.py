@@ -1,4 +1,5 @@
-"""``sparktune db``: list, show, export, import and upgrade the tuning database."""
+"""``sparktune db``: list, show, export, import, merge and upgrade the tuning database, and
+show the leases of distributed tuning."""
 
 from __future__ import annotations
 
@@ -49,6 +50,12 @@ def add_parser(subparsers: Any) -> None:
     common(exp)
     exp.add_argument("file", nargs="?", help="output file (default: standard output)")
     exp.add_argument("--include-shipped", action="store_true", help="also export the shipped records")
+    exp.add_argument(
+        "--per-device",
+        metavar="DIR",
+        help="write one file per GPU model into DIR (e.g. nvidia-h200.jsonl), lines in a stable order: "
+        "the layout of tuning_db/",
+    )
     exp.set_defaults(func=_export)
 
     imp = sub.add_parser("import", help="read JSON Lines records, validated")
@@ -65,6 +72,30 @@ def add_parser(subparsers: Any) -> None:
         help="accept backends and kernels unknown in this installation",
     )
     imp.set_defaults(func=_import)
+
+    mg = sub.add_parser(
+        "merge",
+        help="merge records of other databases or files into this one",
+        description="Merge the records of each SRC (a database URL, a SQLite file, or a JSON Lines file "
+        "as `db export` writes it) into the database. Every record is validated as `db import` "
+        "validates a line; with errors nothing is merged unless --skip-invalid. Records keep their "
+        "provenance (host, GPU, time, library version); a record already here is left as it is. "
+        "For the same problem, device and build, the faster verified record wins. Records of other "
+        "GPU models or kernel builds are kept; dispatch never uses them where they do not match.",
+    )
+    common(mg)
+    mg.add_argument("sources", nargs="+", metavar="SRC", help="database URL, SQLite file or JSON Lines file")
+    mg.add_argument("--skip-invalid", action="store_true", help="merge the valid records and skip the others")
+    mg.add_argument("--no-kernel-check", action="store_true", help="accept backends and kernels unknown here")
+    mg.add_argument("--dry-run", action="store_true", help="report what would change, write nothing")
+    mg.add_argument("--json", action="store_true", help="JSON output")
+    mg.set_defaults(func=_merge)
+
+    ls2 = sub.add_parser("leases", help="the leases of distributed tuning (who tunes or tuned what)")
+    common(ls2)
+    ls2.add_argument("--run", metavar="NAME", help="only this run")
+    ls2.add_argument("--json", action="store_true", help="JSON output")
+    ls2.set_defaults(func=_leases)
 
     up = sub.add_parser("upgrade", help="create the database or upgrade its schema")
     common(up)
@@ -88,10 +119,14 @@ def _open(args: argparse.Namespace, *, create: bool = False) -> Any:
     except StoreMissingError:
         return None
     except Exception as exc:  # noqa: BLE001 - one line, no traceback, no password
-        return _fail(f"cannot open {safe_url(args.db)}: {open_error_text(exc)}")
+        return _fail(f"cannot open {safe_url(args.db)}: {open_error_text(exc, args.db)}")
 
 
-def _all_records(args: argparse.Namespace, *, shipped: bool) -> tuple[list[Any], str] | int:
+def _all_records(
+    args: argparse.Namespace, *, shipped: bool, layers: list[tuple[str, int]] | None = None
+) -> tuple[list[Any], str] | int:
+    """Every record of the database, then of the shipped files; ``layers`` receives (source,
+    records) for each layer, most specific first."""
     from ..db import load_shipped, safe_url
 
     store = _open(args)
@@ -103,6 +138,8 @@ def _all_records(args: argparse.Namespace, *, shipped: bool) -> tuple[list[Any],
         with store:
             records = store.records()
             where = f"{store.display_url} (schema {store.version})"
+            if layers is not None:
+                layers.append((store.display_url, len(records)))
     else:
         where += " (not created yet)"
     if shipped:
@@ -110,6 +147,11 @@ def _all_records(args: argparse.Namespace, *, shipped: bool) -> tuple[list[Any],
         for e in bad:
             print(f"sparktune db: warning: {e}", file=sys.stderr)
         records.extend(recs)
+        if layers is not None:
+            per_file: dict[str, int] = {}
+            for r in recs:
+                per_file[r.source] = per_file.get(r.source, 0) + 1
+            layers.extend(sorted(per_file.items()))
     return records, where
 
 
@@ -136,7 +178,8 @@ def _device_text(r: Any) -> str:
 def _list(args: argparse.Namespace) -> int:
     from ..db import problem_key, rank, record_to_json
 
-    got = _all_records(args, shipped=not args.no_shipped)
+    layers: list[tuple[str, int]] = []
+    got = _all_records(args, shipped=not args.no_shipped, layers=layers)
     if isinstance(got, int):
         return got
     records, where = got
@@ -163,9 +206,17 @@ def _list(args: argparse.Namespace) -> int:
             if counts is not None:
                 obj["usable_candidates"], obj["measured"] = counts[r.uid]
             out.append(obj)
-        print(json.dumps({"database": where, "records": out}, indent=2))
+        print(json.dumps({
+            "database": where,
+            "layers": [{"source": src, "records": n} for src, n in layers],
+            "records": out,
+        }, indent=2))
         return 0
     print(f"database: {where}")
+    if layers:
+        print("layers, most specific first (for a problem, the first layer with a usable record decides):")
+        for i, (src, n) in enumerate(layers, 1):
+            print(f"  {i}. {src}: {n} record(s)")
     if not chosen:
         print("no tuning records" + (" (tune with `sparktune tune`)" if not records else " usable"))
         return 0
@@ -263,6 +314,49 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device_file_names(records: list[Any]) -> dict[tuple, str]:
+    """GPU model -> file name: the name in lower case with dashes (nvidia-h200.jsonl); models
+    that share a name are told apart by compute capability and SM count."""
+    import re
+
+    models = sorted({(r.device.name, r.device.capability, r.device.sm_count) for r in records})
+    slug = {m: re.sub(r"[^a-z0-9]+", "-", m[0].lower()).strip("-") or "gpu" for m in models}
+    names = {}
+    for m in models:
+        clash = sum(1 for other in models if slug[other] == slug[m]) > 1
+        names[m] = f"{slug[m]}-sm{m[1][0]}{m[1][1]}-{m[2]}sm.jsonl" if clash else f"{slug[m]}.jsonl"
+    return names
+
+
+def _export_per_device(records: list[Any], directory: str) -> int:
+    import os
+    from pathlib import Path
+
+    from ..db import problem_key, write_jsonl
+
+    out = Path(directory)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return _fail(f"cannot create {directory}: {e.strerror or e}")
+    names = _device_file_names(records)
+    groups: dict[str, list[Any]] = {}
+    for r in records:
+        groups.setdefault(names[(r.device.name, r.device.capability, r.device.sm_count)], []).append(r)
+    for name, recs in sorted(groups.items()):
+        recs.sort(key=lambda r: (problem_key(r.problem), r.build_id, r.device.driver, r.device.cuda, r.backend,
+                                 r.config, r.measured_at, r.uid))
+        tmp = out / f"{name}.partial"
+        try:
+            with open(tmp, "w", encoding="utf-8") as fp:
+                write_jsonl(recs, fp)
+            os.replace(tmp, out / name)
+        except OSError as e:
+            return _fail(f"cannot write {out / name}: {e.strerror or e}")
+        print(f"exported {len(recs)} record(s) to {out / name}", file=sys.stderr)
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     from ..db import write_jsonl
 
@@ -270,6 +364,10 @@ def _export(args: argparse.Namespace) -> int:
     if isinstance(got, int):
         return got
     records, _ = got
+    if args.per_device:
+        if args.file not in (None, "-"):
+            return _fail("give either FILE or --per-device DIR")
+        return _export_per_device(records, args.per_device)
     if args.file in (None, "-"):
         write_jsonl(records, sys.stdout)
         return 0
@@ -288,11 +386,12 @@ def _export(args: argparse.Namespace) -> int:
 
 def _import(args: argparse.Namespace) -> int:
     from ..db import import_jsonl, registry_kernel_check
+    from ..dispatch import build_id
 
     store = _open(args, create=True)
     if isinstance(store, int):
         return store
-    check = None if args.no_kernel_check else registry_kernel_check()
+    check = None if args.no_kernel_check else registry_kernel_check(build_id())
     with store:
         try:
             report = import_jsonl(store, args.file, skip_invalid=args.skip_invalid, check=check)
@@ -314,13 +413,127 @@ def _import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _record_text(r: Any) -> str:
+    return f"{r.label} {r.median_ms:.4g} ms (host {r.host or '?'}, {r.measured_at:%Y-%m-%d %H:%M}, sparktune {r.version or '?'})"
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from ..db import merge, record_to_json, registry_kernel_check
+    from ..dispatch import build_id
+
+    store = _open(args, create=True)
+    if isinstance(store, int):
+        return store
+    check = None if args.no_kernel_check else registry_kernel_check(build_id())
+    with store:
+        report = merge(store, args.sources, skip_invalid=args.skip_invalid, check=check, dry_run=args.dry_run)
+    for e in report.errors:
+        print(f"{e}", file=sys.stderr)
+    failed = [s for s in report.sources if s.failed]
+    for s in failed:
+        print(f"sparktune db: {s.source}: {s.failed}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({
+            "database": report.into,
+            "refused": report.refused,
+            "dry_run": report.dry_run,
+            "added": report.added,
+            "sources": [
+                {"source": s.source, "read": s.read, "added": s.added, "already_there": s.duplicates,
+                 "invalid": len(s.errors), "failed": s.failed}
+                for s in report.sources
+            ],
+            "winners_changed": [
+                {"key": c.key, "device": c.device, "build_id": c.build_id,
+                 "before": record_to_json(c.before) if c.before else None, "after": record_to_json(c.after),
+                 "after_source": c.after.source}
+                for c in report.changes
+            ],
+            "added_by_device": [{"device": d, "build_id": b, "records": n} for (d, b), n in sorted(report.added_by_device.items())],
+        }, indent=2))
+    if report.refused:
+        why = (f"{len(failed)} source(s) could not be read" if failed else
+               f"{len(report.errors)} invalid record(s)")
+        return _fail(f"{why}; nothing merged" + ("" if failed else " (fix them, or pass --skip-invalid to merge the valid ones)"), 1)
+    if args.json:
+        return 0
+    verb = "would merge" if report.dry_run else "merged"
+    print(f"{verb} into {report.into}:")
+    for s in report.sources:
+        print(f"  {s.source}: {s.read} read, {s.added} new, {s.duplicates} already there"
+              + (f", {len(s.errors)} invalid skipped" if s.errors else ""))
+    if report.added_by_device:
+        print("new records by GPU model and kernel build (dispatch uses only its own):")
+        for (d, b), n in sorted(report.added_by_device.items()):
+            print(f"  {d}, build {b}: {n}")
+    if report.changes:
+        print(f"best record changed for {len(report.changes)} problem(s):")
+        for c in report.changes:
+            before = _record_text(c.before) if c.before else "nothing tuned"
+            print(f"  {c.key} on {c.device}, build {c.build_id}:\n    {before}\n -> {_record_text(c.after)} from {c.after.source}")
+    else:
+        print("no problem's best record changed")
+    return 0
+
+
+def _age(seconds: float) -> str:
+    s = abs(seconds)
+    text = f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
+    return text
+
+
+def _leases(args: argparse.Namespace) -> int:
+    from ..db import LeaseBoard
+
+    store = _open(args)
+    if isinstance(store, int):
+        return store
+    if store is None:
+        return _fail("no tuning database yet", 1)
+    with store:
+        board = LeaseBoard(store, owner="-")
+        rows = board.rows(args.run)
+        now = board.now()
+        where = store.display_url
+    if args.json:
+        print(json.dumps({
+            "database": where,
+            "server_time": now,
+            "leases": [
+                {**{k: getattr(r, k) for k in ("run", "label", "owner", "state", "attempts", "claimed_at",
+                                                "heartbeat_at", "expires_at", "finished_at", "records", "message")},
+                 "expired": r.expired(now)}
+                for r in rows
+            ],
+        }, indent=2))
+        return 0
+    print(f"database: {where}")
+    if not rows:
+        print("no leases (nothing was tuned with --recipe or --run)")
+        return 0
+    table = []
+    for r in rows:
+        if r.state == "running":
+            when = f"expired {_age(now - r.expires_at)} ago" if r.expired(now) else f"heartbeat {_age(now - r.heartbeat_at)} ago"
+        else:
+            when = f"{_age(now - (r.finished_at or now))} ago"
+        table.append([r.run or "-", r.label.split(" | ")[0], r.state, str(r.attempts), r.owner, when, str(r.records),
+                      r.message.splitlines()[0][:60] if r.message else ""])
+    print(_table(table, ["run", "problem", "state", "attempts", "owner", "when", "records", "message"]))
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.state] = counts.get(r.state, 0) + 1
+    print(", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    return 0
+
+
 def _upgrade(args: argparse.Namespace) -> int:
     from ..db import Store, open_error_text, safe_url
 
     try:
         before, after = Store.upgrade_database(args.db)
     except Exception as exc:  # noqa: BLE001
-        return _fail(f"cannot upgrade {safe_url(args.db)}: {open_error_text(exc)}")
+        return _fail(f"cannot upgrade {safe_url(args.db)}: {open_error_text(exc, args.db)}")
     where = safe_url(args.db)
     if before is None:
         print(f"created {where} at schema version {after}")

@@ -1,5 +1,5 @@
 """The tuning store: SQLAlchemy models, schema versions, JSON Lines import/export, the
-read-only shipped layer and the lease table of distributed tuning."""
+read-only shipped layer, merging and the lease table of distributed tuning."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from ._layers import (
     verified,
 )
 from ._leases import Claim, LeaseBoard, LeaseInfo, LeaseLost, new_owner_id, work_id
+from ._merge import MergeReport, SourceReport, WinnerChange, merge, read_source
 from ._records import (
     FORMAT_VERSION,
     STATUSES,
@@ -60,13 +61,16 @@ __all__ = [
     "LeaseInfo",
     "LeaseLost",
     "LineError",
+    "MergeReport",
     "Record",
     "RecordError",
     "SchemaError",
     "SchemaOutdatedError",
     "SchemaTooNewError",
+    "SourceReport",
     "Store",
     "StoreMissingError",
+    "WinnerChange",
     "default_path",
     "device_label",
     "dumps_record",
@@ -75,6 +79,7 @@ __all__ = [
     "is_transient_error",
     "layered",
     "load_shipped",
+    "merge",
     "new_owner_id",
     "now_utc",
     "open_error_text",
@@ -83,6 +88,7 @@ __all__ = [
     "problem_key",
     "rank",
     "read_jsonl_file",
+    "read_source",
     "record_from_json",
     "record_to_json",
     "registry_kernel_check",
