@@ -9,6 +9,13 @@ every resolved problem is memoised, so a repeated call costs one dictionary look
 A missing, locked, corrupted or unreachable database never raises into the caller: it is
 logged once and the defaults are used. Nothing here ever tunes.
 
+A shared database server (PostgreSQL) is read with a connect timeout of a few seconds and a
+statement timeout; what was read is kept as a local snapshot (a JSON file in the user's cache
+directory, see :mod:`sparktune.db._snapshot`). When the server does not answer, the snapshot
+is used (or the defaults when there is none), with one warning. With
+``$SPARKTUNE_SNAPSHOT_TTL`` (seconds), a snapshot younger than that is used without asking the
+server at all, so that the many processes of a node read the server once between them.
+
 ``explain(...)`` tells which kernel a call would use and why; ``counters()`` counts the
 selections made by source.
 """
@@ -43,6 +50,7 @@ __all__ = [
     "counters",
     "explain",
     "heuristic_default",
+    "invalidate_selections",
     "reload",
     "reset_counters",
     "select",
@@ -56,6 +64,10 @@ DEFAULT_ORDER = ("spark", "triton", "torch", "reference")
 SOURCES = ("forced", "tuned", "nearest", "default")
 #: seconds dispatch waits for a locked or unreachable database before using the defaults
 READ_TIMEOUT_S = 2.0
+#: seconds a statement (or a lock wait) of dispatch's read of a database server may take
+STATEMENT_TIMEOUT_S = 5.0
+#: environment: use a snapshot younger than this many seconds without asking the server
+ENV_SNAPSHOT_TTL = "SPARKTUNE_SNAPSHOT_TTL"
 
 
 class NoKernelError(ValueError):
@@ -105,6 +117,13 @@ def reload() -> None:
     (call it after tuning in the same process, or after registering a backend)."""
     with _lock:
         _reset_state()
+
+
+def invalidate_selections() -> None:
+    """Forget the selections made so far, not the records read: the registry calls this when
+    a backend is registered or removed, since which tuned records can run depends on it."""
+    with _lock:
+        _memo.clear()
 
 
 def _reset_state() -> None:
@@ -169,16 +188,54 @@ def _device_key(device: DeviceInfo) -> tuple[str, tuple[int, int], int, str]:
     return (device.name, device.capability, device.sm_count, build_id())
 
 
+def _snapshot_ttl() -> float:
+    try:
+        return max(0.0, float(os.environ.get(ENV_SNAPSHOT_TTL) or 0))
+    except ValueError:
+        _warn_once("ttl", f"sparktune: ${ENV_SNAPSHOT_TTL} is not a number of seconds; ignored")
+        return 0.0
+
+
+def _snapshot_text(snap: Any) -> str:
+    return f"snapshot taken {snap.taken_at:%Y-%m-%d %H:%M} UTC, {len(snap.records)} record(s), {snap.path}"
+
+
 def _read_store(device: DeviceInfo, build: str) -> tuple[list[Record], str, str]:
-    """Records of this device model and build from the database: (records, where, error)."""
-    from .db import Store, StoreMissingError, open_error_text, resolve_url, safe_url
+    """Records of this device model and build from the database (or, for a server that does
+    not answer, from its local snapshot): (records, where, error)."""
+    import time
+
+    from .db import (
+        Store,
+        StoreMissingError,
+        is_network,
+        open_error_text,
+        read_snapshot,
+        resolve_url,
+        safe_url,
+        snapshot_path,
+        write_snapshot,
+    )
 
     explicit = _db_url is not None or bool(os.environ.get("SPARKTUNE_DB"))
     where = safe_url(_db_url)
+    snap_path = None
     try:
         url = resolve_url(_db_url)
-        with Store(url, create=False, upgrade=True, timeout=READ_TIMEOUT_S) as store:
-            return store.records(device=device, build_id=build), store.display_url, ""
+        if is_network(url):
+            snap_path = snapshot_path(url, device, build)
+            ttl = _snapshot_ttl()
+            if ttl > 0:
+                try:
+                    if time.time() - snap_path.stat().st_mtime < ttl:
+                        snap = read_snapshot(snap_path)
+                        return snap.records, f"{where} ({_snapshot_text(snap)}, younger than ${ENV_SNAPSHOT_TTL})", ""
+                except (OSError, ValueError):
+                    pass  # no usable snapshot: ask the server
+        with Store(
+            url, create=False, upgrade=True, timeout=READ_TIMEOUT_S, statement_timeout=STATEMENT_TIMEOUT_S
+        ) as store:
+            records, shown = store.records(device=device, build_id=build), store.display_url
     except StoreMissingError as exc:
         if explicit:
             msg = f"sparktune: {exc}; using the default kernels"
@@ -186,13 +243,36 @@ def _read_store(device: DeviceInfo, build: str) -> tuple[list[Record], str, str]
             return [], where, str(exc)
         return [], f"{where} (not created yet)", ""
     except Exception as exc:  # noqa: BLE001 - a broken database must never reach the caller
-        text = open_error_text(exc)
+        text = open_error_text(exc, _db_url)
+        if snap_path is not None:
+            try:
+                snap = read_snapshot(snap_path)
+            except FileNotFoundError:
+                snap = None
+            except (OSError, ValueError) as bad:
+                snap = None
+                _warn_once("snapshot-read", f"sparktune: ignoring a damaged snapshot: {bad}")
+            if snap is not None:
+                _warn_once(
+                    f"db:{where}",
+                    f"sparktune: cannot reach the tuning database {where}: {text}; using its local "
+                    f"snapshot ({_snapshot_text(snap)})",
+                )
+                return snap.records, f"{where} unreachable: {_snapshot_text(snap)}", text
         _warn_once(
             f"db:{where}",
             f"sparktune: cannot read the tuning database {where}: {text}; using the default "
             "kernels (tuned choices are ignored until this is fixed)",
         )
         return [], where, text
+    if snap_path is not None:
+        try:
+            write_snapshot(snap_path, records, database=shown, device=device, build_id=build)
+        except (OSError, ValueError) as exc:  # a read-only cache costs only the fallback
+            if "snapshot-write" not in _warned:
+                _warned.add("snapshot-write")
+                log.info("sparktune: cannot write the snapshot %s: %s", snap_path, exc)
+    return records, shown, ""
 
 
 def _load_table(device: DeviceInfo) -> _Table:

@@ -1,5 +1,6 @@
 """The tuning store: SQLAlchemy models, schema versions, JSON Lines import/export, the
-read-only shipped layer, merging and the lease table of distributed tuning."""
+read-only shipped layer, merging, the lease table of distributed tuning and dispatch's
+snapshot of a shared database."""
 
 from __future__ import annotations
 
@@ -47,11 +48,13 @@ from ._records import (
     validate_record,
 )
 from ._schema import SCHEMA_VERSION, SchemaError, SchemaOutdatedError, SchemaTooNewError
+from ._snapshot import ENV_SNAPSHOT_DIR, Snapshot, read_snapshot, snapshot_path, write_snapshot
 from ._store import Store, StoreMissingError, open_error_text
 
 __all__ = [
     "ENV_DB",
     "ENV_SHIPPED",
+    "ENV_SNAPSHOT_DIR",
     "FORMAT_VERSION",
     "SCHEMA_VERSION",
     "STATUSES",
@@ -67,6 +70,7 @@ __all__ = [
     "SchemaError",
     "SchemaOutdatedError",
     "SchemaTooNewError",
+    "Snapshot",
     "SourceReport",
     "Store",
     "StoreMissingError",
@@ -88,6 +92,7 @@ __all__ = [
     "problem_key",
     "rank",
     "read_jsonl_file",
+    "read_snapshot",
     "read_source",
     "record_from_json",
     "record_to_json",
@@ -97,8 +102,10 @@ __all__ = [
     "scrub",
     "shipped_dir",
     "shipped_files",
+    "snapshot_path",
     "validate_record",
     "verified",
     "work_id",
     "write_jsonl",
+    "write_snapshot",
 ]
