@@ -9,7 +9,25 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from typing import TYPE_CHECKING, Any
+
 from .attention import attention
 from .problem import DeviceInfo, Problem
 
-__all__ = ["attention", "Problem", "DeviceInfo", "__version__"]
+if TYPE_CHECKING:
+    from .dispatch import explain
+
+__all__ = ["attention", "explain", "Problem", "DeviceInfo", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    # ``sparktune.explain`` is dispatch's, imported on first use (the package stays light)
+    if name == "explain":
+        from .dispatch import explain
+
+        return explain
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "explain"})

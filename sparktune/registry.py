@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import logging
+import sys
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -218,6 +219,7 @@ def register_backend(backend: Backend, *, replace: bool = False) -> None:
         _pending.pop(name, None)
         _errors.pop(name, None)
         _loaded[name] = backend
+    _selections_changed()
 
 
 def unregister_backend(name: str) -> Backend | None:
@@ -227,7 +229,17 @@ def unregister_backend(name: str) -> Backend | None:
         _discover()
         _pending.pop(name, None)
         _errors.pop(name, None)
-        return _loaded.pop(name, None)
+        removed = _loaded.pop(name, None)
+    _selections_changed()
+    return removed
+
+
+def _selections_changed() -> None:
+    """Dispatch memoises its choices, which depend on the backends registered: tell it to
+    choose again (only when it was imported: otherwise it has chosen nothing yet)."""
+    dispatch = sys.modules.get("sparktune.dispatch")
+    if dispatch is not None:
+        dispatch.invalidate_selections()
 
 
 def backend_errors() -> dict[str, str]:
