@@ -5,6 +5,13 @@ default is enqueued first. When the space fits the trial budget every candidate 
 (exhaustive); otherwise TPE chooses after the default. Each trial checks the candidate against
 the reference first (a wrong kernel is pruned, its error recorded), then times it; a candidate
 that raises is recorded as failed and the study goes on. Every measured candidate is stored.
+
+Studies can live in the tuning database (Optuna's RDB storage). Each finished trial carries
+the whole measurement (status, run times, error and bound, host, time) as one user attribute,
+so a study that another worker started and could not finish is resumed with ``resume=True``:
+its finished candidates are taken over, not measured again, and its trials left running by a
+dead worker are marked failed. TPE uses the constant liar, so workers sharing a study do not
+all propose the candidates that are still being measured.
 """
 
 from __future__ import annotations
@@ -12,10 +19,13 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import logging
+import math
 import os
+import socket
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from ..backends.base import Backend, Candidate
@@ -48,7 +58,10 @@ _MAX_MESSAGE = 2000
 
 
 class TuneAborted(RuntimeError):
-    """Tuning cannot go on (e.g. a candidate left the CUDA context unusable)."""
+    """Tuning cannot go on (e.g. a candidate left the CUDA context unusable). ``result`` holds
+    what the problem's study measured before it stopped."""
+
+    result: TuneResult | None = None
 
 
 @dataclass
@@ -63,6 +76,14 @@ class Measurement:
     error_limit: float | None = None
     message: str = ""
     trial: int | None = None
+    #: where and when it was measured, for a measurement taken over from an earlier attempt of
+    #: the study (None: here and now)
+    host: str | None = None
+    measured_at: datetime | None = None
+
+    @property
+    def resumed(self) -> bool:
+        return self.measured_at is not None
 
     @property
     def median_ms(self) -> float | None:
@@ -202,19 +223,105 @@ def _library_version() -> str:
         return ""
 
 
+#: key of the PostgreSQL advisory lock taken while Optuna creates its tables ("SPOT")
+_OPTUNA_INIT_LOCK = 0x53504F54
+
+
 def _optuna_storage(url: Any) -> Any:
-    """None (in memory) or an RDB storage on ``url`` sharing the tuning database."""
+    """None (in memory) or an RDB storage on ``url`` sharing the tuning database.
+
+    Connections are tested before use (a restarted server is reconnected to) and, on
+    PostgreSQL, have a connect timeout and TCP keepalives. Optuna creates its tables when they
+    are missing; workers starting together on a fresh database take turns (an advisory lock
+    on PostgreSQL, a retry on SQLite) instead of racing on CREATE TABLE."""
     if url is None:
         return None
     import optuna
+    import sqlalchemy as sa
 
     from ..db import resolve_url
+    from ..db._engine import make_engine, postgres_connect_args
 
     resolved = resolve_url(url)
-    kwargs: dict[str, Any] = {}
-    if resolved.get_backend_name() == "sqlite":
+    kwargs: dict[str, Any] = {"pool_pre_ping": False}
+    backend = resolved.get_backend_name()
+    if backend == "sqlite":
         kwargs["connect_args"] = {"timeout": 60}
-    return optuna.storages.RDBStorage(resolved.render_as_string(hide_password=False), engine_kwargs=kwargs)
+    elif backend == "postgresql":
+        kwargs["connect_args"] = postgres_connect_args(resolved, timeout=10)
+    text = resolved.render_as_string(hide_password=False)
+    if backend == "postgresql":
+        engine = make_engine(resolved, timeout=10)
+        try:
+            with engine.connect() as conn:
+                conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": _OPTUNA_INIT_LOCK})
+                try:
+                    return optuna.storages.RDBStorage(text, engine_kwargs=kwargs)
+                finally:
+                    conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": _OPTUNA_INIT_LOCK})
+        finally:
+            engine.dispose()
+    for attempt in range(20):
+        try:
+            return optuna.storages.RDBStorage(text, engine_kwargs=kwargs)
+        except sa.exc.OperationalError:  # another process is creating the same tables
+            if attempt == 19:
+                raise
+            time.sleep(0.05 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _host() -> str:
+    try:
+        return socket.gethostname()
+    except OSError:  # pragma: no cover
+        return ""
+
+
+def _iso(t: datetime) -> str:
+    return t.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+_TRIAL_STATE = {"ok": "COMPLETE", "wrong": "PRUNED", "failed": "FAIL"}
+
+
+def _measurement_from_trial(t: Any, labels: dict[str, Candidate]) -> Measurement | None:
+    """The measurement a finished trial recorded (see ``Tuner._tell``), or None when the trial
+    does not carry a complete one (it is then measured again)."""
+    from ._timing import Timing
+
+    attrs = t.user_attrs.get("sparktune")
+    cand = labels.get(t.params.get("candidate"))
+    if not isinstance(attrs, dict) or cand is None:
+        return None
+    status = attrs.get("status")
+    if _TRIAL_STATE.get(status) != t.state.name:
+        return None
+
+    def num(key: str) -> float | None:
+        v = attrs.get(key)
+        if v == "inf":
+            return math.inf
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    timing = None
+    if status == "ok":
+        times = attrs.get("times_ms")
+        if not isinstance(times, list) or not times or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in times
+        ):
+            return None
+        timing = Timing.of(times)
+    try:
+        at = datetime.fromisoformat(str(attrs.get("at", "")).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=timezone.utc)
+    return Measurement(
+        cand, status, timing, num("tflops"), num("error"), num("error_limit"), str(attrs.get("message", "")),
+        trial=t.number, host=str(attrs.get("host", "")), measured_at=at,
+    )
 
 
 def _is_optuna_storage(obj: Any) -> bool:
@@ -253,6 +360,7 @@ class Tuner:
         baseline: bool = True,
         progress: ProgressFn | None = None,
         warmup_processes: int | None = None,
+        run: str = "",
     ) -> None:
         if timer is None:
             from ._timing import CudaEventTimer
@@ -273,6 +381,8 @@ class Tuner:
         self.baseline = baseline
         self.progress = progress
         self.warmup_processes = warmup_processes if warmup_processes is not None else max(1, (os.cpu_count() or 2) // 2)
+        #: the name of a distributed run: its studies are its own (a new run measures anew)
+        self.run = run
 
     # ------------------------------------------------------------------ planning
 
@@ -298,13 +408,18 @@ class Tuner:
             return cands, "exhaustive", len(cands)
         return cands, "tpe", self.trials
 
+    @staticmethod
+    def space_id(cands: Iterable[Candidate]) -> str:
+        """A short hash of a candidate set: studies (and leases) are per space."""
+        return hashlib.sha1("\n".join(sorted(c.label for c in cands)).encode()).hexdigest()[:10]
+
     def _study_name(self, problem: Problem, cands: list[Candidate]) -> str:
         from ..db import problem_key
         from ..dispatch import build_id
 
-        space = hashlib.sha1("\n".join(sorted(c.label for c in cands)).encode()).hexdigest()[:10]
         d = self.device
-        return f"sparktune/{problem_key(problem)}/{d.name} sm_{d.arch}/{build_id()}/{space}"
+        name = f"sparktune/{problem_key(problem)}/{d.name} sm_{d.arch}/{build_id()}/{self.space_id(cands)}"
+        return f"{name}/run:{self.run}" if self.run else name
 
     def _warmup(self, problem: Problem, cands: list[Candidate]) -> None:
         """Let backends that compile on first use (they define ``warmup(problem, configs, *,
@@ -377,7 +492,11 @@ class Tuner:
 
     # ------------------------------------------------------------------ one problem
 
-    def tune(self, problem: Problem) -> TuneResult:
+    def tune(self, problem: Problem, *, resume: bool = False) -> TuneResult:
+        """Tune ``problem``. With ``resume``, the study's finished trials (an earlier attempt
+        of this study, e.g. by a worker that died) count as measured, and its running trials
+        are marked failed: only the distributed runner, which holds the problem's lease, may
+        ask for it."""
         import optuna
         from optuna.distributions import CategoricalDistribution
         from optuna.trial import TrialState
@@ -397,7 +516,9 @@ class Tuner:
         dist = CategoricalDistribution(sorted(labels))
         result.study_name = self._study_name(problem, order)
         sampler = (
-            optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=min(10, max(1, planned // 4)))
+            optuna.samplers.TPESampler(
+                seed=self.seed, n_startup_trials=min(10, max(1, planned // 4)), constant_liar=True
+            )
             if mode == "tpe"
             else optuna.samplers.RandomSampler(seed=self.seed)
         )
@@ -408,14 +529,21 @@ class Tuner:
             sampler=sampler,
             load_if_exists=True,
         )
+        measured: dict[str, Measurement] = {}
+        queued: set[str] = set()
+        if resume:
+            queued = self._resume(study, labels, result, measured, TrialState)
+            if self.progress is not None:
+                for i, m in enumerate(result.measurements, 1):
+                    self.progress(result, m, i, planned)
         for c in order if mode == "exhaustive" else order[:1]:
-            study.enqueue_trial({"candidate": c.label})
+            if c.label not in measured and c.label not in queued:
+                study.enqueue_trial({"candidate": c.label})
         if mode == "exhaustive":
-            self._warmup(problem, order)
+            self._warmup(problem, [c for c in order if c.label not in measured])
 
         workload = Workload(problem, self.torch_device, seed=self.seed)
         deadline = start + self.timeout if self.timeout is not None else None
-        measured: dict[str, Measurement] = {}
         asks = 0
         # the budget counts measured candidates: a trial that proposes a measured candidate
         # again is answered from memory; asks are capped in case the sampler keeps doing so
@@ -442,13 +570,15 @@ class Tuner:
                     raise
                 if fresh and self.progress is not None:
                     self.progress(result, m, len(measured), planned)
-                if m.status == "failed":
+                if m.status == "failed" and fresh:
                     broken = self._cuda_alive()
                     if broken:
-                        raise TuneAborted(
+                        aborted = TuneAborted(
                             f"the CUDA context is unusable after {label} failed ({broken}); the "
                             f"results so far are saved; tune again with --exclude '{label}'"
                         )
+                        aborted.result = result
+                        raise aborted
             if len(measured) < planned and not result.stopped:
                 result.stopped = f"the sampler proposed measured candidates {asks} times; {len(measured)} measured"
             if self.baseline and result.ranked():
@@ -460,9 +590,35 @@ class Tuner:
         return result
 
     @staticmethod
+    def _resume(
+        study: Any, labels: dict[str, Candidate], result: TuneResult, measured: dict[str, Measurement], TrialState: Any  # noqa: N803
+    ) -> set[str]:
+        """Take over an earlier attempt of the study: its finished measurements, and the
+        candidates it enqueued but did not start (returned). Its running trials belong to a
+        worker that is gone (the caller holds the lease): they are marked failed."""
+        queued: set[str] = set()
+        for t in study.get_trials(deepcopy=False):
+            if t.state == TrialState.RUNNING:
+                study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+            elif t.state == TrialState.WAITING:
+                fixed = t.system_attrs.get("fixed_params") or {}
+                queued.add(fixed.get("candidate"))
+            else:
+                m = _measurement_from_trial(t, labels)
+                if m is not None and m.candidate.label not in measured:
+                    measured[m.candidate.label] = m
+                    result.measurements.append(m)
+        return queued
+
+    @staticmethod
     def _tell(study: Any, trial: Any, m: Measurement, TrialState: Any) -> None:  # noqa: N803
-        # one attribute (one storage round trip): status, error and bound, message, TFLOP/s, runs
-        attrs: dict[str, Any] = {"status": m.status}
+        # one attribute (one storage round trip) with the whole measurement, so that another
+        # worker can take the study over: status, run times, error and bound, message, where
+        attrs: dict[str, Any] = {
+            "status": m.status,
+            "host": m.host if m.host is not None else _host(),
+            "at": _iso(m.measured_at or datetime.now(timezone.utc)),
+        }
         if m.error is not None:
             attrs["error"] = m.error if m.error != float("inf") else "inf"
             attrs["error_limit"] = m.error_limit
@@ -471,14 +627,15 @@ class Tuner:
         if m.timing is not None:
             attrs["tflops"] = m.tflops
             attrs["runs"] = m.timing.runs
+            attrs["times_ms"] = list(m.timing.times_ms)
         trial.set_user_attr("sparktune", attrs)
         if m.status == "ok":
             assert m.timing is not None
-            study.tell(trial, m.timing.median_ms)
+            study.tell(trial, m.timing.median_ms, skip_if_finished=True)
         elif m.status == "wrong":
-            study.tell(trial, state=TrialState.PRUNED)
+            study.tell(trial, state=TrialState.PRUNED, skip_if_finished=True)
         else:
-            study.tell(trial, state=TrialState.FAIL)
+            study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
 
     # ------------------------------------------------------------------ storing
 
@@ -510,7 +667,8 @@ class Tuner:
                     error=m.error if m.error is None or m.error != float("inf") else None,
                     error_limit=m.error_limit,
                     message=m.message,
-                    measured_at=when,
+                    measured_at=m.measured_at or when,
+                    **({"host": m.host} if m.host is not None else {}),
                     version=_library_version(),
                     torch_version=str(torch.__version__),
                 )
