@@ -44,6 +44,25 @@ def add_parser(subparsers: Any) -> None:
         default="db",
         help="keep the Optuna studies in the tuning database (default; optuna-dashboard can show them) or in memory",
     )
+    dist = p.add_argument_group(
+        "distributed tuning",
+        "With --recipe (or --run), the problems are claimed one by one with a lease in the database, so "
+        "that the same command started on several processes or hosts against one database (e.g. "
+        "--db postgresql+psycopg://user@host/db) divides the work: no problem is tuned twice, a "
+        "crashed worker's problem is taken over when its lease expires, and problems finished in "
+        "an earlier run of the same name are skipped.",
+    )
+    dist.add_argument("--run", metavar="NAME", help="name of the run (default: the same for every run, so a rerun "
+                      "skips what is done; a new name tunes everything again)")
+    dist.add_argument("--lease", type=float, default=60.0, metavar="SECONDS",
+                      help="how long a claim lasts without a heartbeat (default 60)")
+    dist.add_argument("--no-wait", action="store_true",
+                      help="exit when nothing is left to claim instead of waiting for problems other workers hold")
+    dist.add_argument("--retry-failed", action="store_true", help="claim problems whose tuning failed before")
+    dist.add_argument("--reconnect", type=float, default=60.0, metavar="SECONDS",
+                      help="how long the database may be away before the worker stops (default 60)")
+    dist.add_argument("--no-leases", action="store_true",
+                      help="tune every problem of the recipe here, without claiming it (no division of work)")
     p.add_argument("--backend", action="append", metavar="NAME", help="tune only this backend (repeatable)")
     p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
                    help="skip candidates whose backend:config matches this glob (repeatable)")
@@ -130,13 +149,16 @@ def run(
     import optuna
 
     from ..db import Store, open_error_text, safe_url
-    from ..tune import TuneAborted, Tuner
+    from ..tune import DatabaseUnavailable, TuneAborted, Tuner, Worker
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    distributed = bool(getattr(args, "recipe", None) or getattr(args, "run", None) is not None) and not getattr(
+        args, "no_leases", False
+    )
     try:
         store = Store(args.db)
     except Exception as exc:  # noqa: BLE001 - one line, no traceback, no password
-        return _fail(f"cannot open the tuning database {safe_url(args.db)}: {open_error_text(exc)}")
+        return _fail(f"cannot open the tuning database {safe_url(args.db)}: {open_error_text(exc, args.db)}")
     trials = args.trials if args.trials is not None else extra.get("trials")
     timeout = args.timeout if args.timeout is not None else extra.get("timeout")
     backends = args.backend or extra.get("backends")
@@ -145,7 +167,7 @@ def run(
             device=device,
             torch_device=torch_device,
             timer=timer,
-            store=store,
+            store=None if distributed else store,
             trials=trials,
             timeout=timeout,
             storage=store.url if args.optuna_storage == "db" else None,
@@ -153,13 +175,26 @@ def run(
             exclude=args.exclude,
             seed=args.seed,
         )
+        worker = (
+            Worker(
+                tuner, store, run=args.run or "", lease_s=args.lease, wait=not args.no_wait,
+                retry_failed=args.retry_failed, reconnect_s=args.reconnect,
+                say=lambda text: print(f"sparktune tune: {text}", file=sys.stderr, flush=True),
+            )
+            if distributed
+            else None
+        )
     except ValueError as e:
         store.close()
         return _fail(str(e))
+    except Exception as exc:  # noqa: BLE001 - e.g. the Optuna storage cannot be created
+        store.close()
+        return _fail(f"cannot use the tuning database {store.display_url}: {open_error_text(exc, args.db)}")
     plans = [tuner.plan(p) for p in problems]
     total = sum(n for _, _, n in plans)
-    bar = _progress_bar(total, disable=args.no_progress or not sys.stderr.isatty())
+    bar = _progress_bar(total, disable=args.no_progress or not sys.stderr.isatty() or distributed)
     results = []
+    report = None
     start = time.monotonic()
     code = 0
 
@@ -173,12 +208,26 @@ def run(
 
     tuner.progress = on_trial
     try:
-        for problem in problems:
-            results.append(tuner.tune(problem))
+        if worker is not None:
+            report = worker.run_problems(problems)
+            results = report.results
+            if report.stopped:
+                code = _fail(report.stopped, 1)
+        else:
+            for problem in problems:
+                results.append(tuner.tune(problem))
     except TuneAborted as e:
         code = _fail(str(e), 1)
+    except DatabaseUnavailable as e:
+        code = _fail(f"{open_error_text(e, args.db)}; stopping. Problems this worker held are released when "
+                     "their leases expire; run the command again to go on.", 3)
     except KeyboardInterrupt:
-        code = _fail("interrupted; the finished measurements are saved", 130)
+        code = _fail(
+            "interrupted; "
+            + ("the problems finished are committed, the one in progress is released"
+               if worker is not None else "the finished measurements are saved"),
+            130,
+        )
     finally:
         if bar is not None:
             bar.close()
@@ -186,14 +235,31 @@ def run(
         store.close()
     wall = time.monotonic() - start
     if args.json:
-        print(json.dumps({"database": where, "wall_s": round(wall, 3), "results": [r.to_json() for r in results]}, indent=2))
+        out: dict[str, Any] = {"database": where, "wall_s": round(wall, 3), "results": [r.to_json() for r in results]}
+        if report is not None:
+            out["cluster"] = report.to_json()
+        print(json.dumps(out, indent=2))
     else:
         for r in results:
             print(_report(r, args.top))
+        if report is not None:
+            for o in report.outcomes:
+                if o.state != "tuned":
+                    print(f"{_key(o.problem)}  {o.state}" + (f" ({o.owner})" if o.owner else "")
+                          + (f": {o.message.splitlines()[0]}" if o.message and o.state != "done" else ""))
+            print(f"\n{report.summary()}")
         print(f"\n{len(results)} problem(s) tuned in {wall:.1f} s; records in {where}")
     if code == 0 and any(r.best is None for r in results):
         code = 1
+    if code == 0 and report is not None and (report.count("failed") or report.count("running")):
+        code = 1
     return code
+
+
+def _key(p: Any) -> str:
+    from ..db import problem_key
+
+    return problem_key(p)
 
 
 def _progress_bar(total: int, *, disable: bool) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ._cluster import ClusterReport, DatabaseUnavailable, Outcome, Worker, work_label
 from ._recipe import DTYPE_ALIASES, Recipe, RecipeError, RecipeIssue, load_recipe, parse_recipe
 from ._timing import CostTimer, CudaEventTimer, Timer, Timing
 from ._tuner import (
@@ -24,6 +25,8 @@ from ._workload import (
 
 __all__ = [
     "BASELINE",
+    "ClusterReport",
+    "DatabaseUnavailable",
     "DEFAULT_TRIALS",
     "DTYPE_ALIASES",
     "ERROR_FACTOR",
@@ -33,6 +36,7 @@ __all__ = [
     "CostTimer",
     "CudaEventTimer",
     "Measurement",
+    "Outcome",
     "Recipe",
     "RecipeError",
     "RecipeIssue",
@@ -41,9 +45,11 @@ __all__ = [
     "TuneAborted",
     "TuneResult",
     "Tuner",
+    "Worker",
     "Workload",
     "load_recipe",
     "lowp_attention",
     "parse_recipe",
     "tunable_candidates",
+    "work_label",
 ]
