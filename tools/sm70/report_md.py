@@ -137,7 +137,9 @@ def render(rep: dict) -> str:
     def show(v):
         return ", ".join(map(str, v)) if isinstance(v, list) else str(v)
 
-    lines = [f"Toolchain: {'; '.join(f'{k} {show(v)}' for k, v in tc.items() if v)}.", "",
+    src = rep.get("source", {})
+    lines = [f"Kernels: `csrc/` of commit `{src.get('git_head', '?')}`. "
+             f"Toolchain: {'; '.join(f'{k} {show(v)}' for k, v in tc.items() if v)}.", "",
              f"**{n_pass} passed, {n_fail} failed**; {len(rep.get('excluded', []))} declared "
              "configurations excluded by the C++ rules.", ""]
     lines += report_table(rep) + [""]
@@ -147,6 +149,15 @@ def render(rep: dict) -> str:
     if reasons:
         lines += ["Excluded by the rules (not compiled):", ""]
         lines += [f"- {n}: {why}" for why, n in sorted(reasons.items())] + [""]
+    failed: dict[str, list[str]] = {}
+    for k in rep["kernels"]:
+        for why in k["reasons"]:
+            kind = re.sub(r"\d+", "N", why.split(":")[0] if why.startswith("build") else why)
+            failed.setdefault(kind, []).append(k["name"])
+    if failed:
+        lines += ["Failures by reason:", ""]
+        lines += [f"- {kind}: {len(names)} ({', '.join(f'`{n}`' for n in names)})"
+                  for kind, names in sorted(failed.items())] + [""]
     ranking, picks = ranking_tables(rep)
     lines += ["### Occupancy ranking on a V100 (model)", ""] + ranking
     lines += ["### Proposed Volta defaults (a model, not a measurement)", ""]
