@@ -50,33 +50,34 @@ def _device_index_for(device: DeviceInfo) -> int | None:
 class SparkBackend(Backend):
     name = "spark"
 
-    # Heuristic defaults per (family, head_dim): (block_m, block_n, warps_m). The m16n8k16
-    # entries for hd 64 and 128 are the configs that won most shapes of the 16k-token sweep on
-    # an H200 (bench/spark_fwd.py --configs all); the others follow the same register budget.
-    # The Volta entries are a model from its 96 KB of shared memory, not a measurement. The
-    # tuner replaces all of them per shape.
+    # Heuristic defaults per (family, head_dim): (block_m, block_n, warps_m, warps_n). The
+    # m16n8k16 entries for hd 64 and 128 are the configs that won most shapes of the 16k-token
+    # sweep on an H200 (bench/spark_fwd.py --configs all); the others follow the same register
+    # budget. The Volta entries are a model, not a measurement: the occupancy ranking of the
+    # sm_70 compile report (docs/VOLTA.md) among the kernels that pass tools/check_sm70.py.
+    # The tuner replaces all of them per shape.
     _DEFAULTS = {
-        (80, 32): (128, 128, 4),
-        (80, 64): (128, 64, 4),
-        (80, 96): (128, 64, 4),
-        (80, 128): (128, 64, 4),
-        (80, 256): (64, 64, 4),
-        (70, 32): (64, 64, 2),
-        (70, 64): (64, 64, 2),
-        (70, 96): (64, 64, 2),
-        (70, 128): (64, 32, 2),
+        (80, 32): (128, 128, 4, 1),
+        (80, 64): (128, 64, 4, 1),
+        (80, 96): (128, 64, 4, 1),
+        (80, 128): (128, 64, 4, 1),
+        (80, 256): (64, 64, 4, 1),
+        (70, 32): (128, 32, 4, 1),
+        (70, 64): (64, 32, 2, 2),
+        (70, 96): (64, 32, 2, 2),
+        (70, 128): (64, 32, 2, 2),
     }
 
-    # Backward defaults per (family, head_dim): (block_m, block_n, warps_m) of the bwd family,
-    # chosen by register budget (dK and dV stay in registers for a whole key block), not yet by
-    # measurement; the tuner replaces them per shape.
+    # Backward defaults per (family, head_dim): (block_m, block_n, warps_m, warps_n) of the bwd
+    # family, chosen by register budget (dK and dV stay in registers for a whole key block), not
+    # yet by measurement; the tuner replaces them per shape.
     _BWD_DEFAULTS = {
-        (80, 32): (64, 128, 4),
-        (80, 64): (64, 128, 4),
-        (80, 128): (128, 64, 8),
-        (70, 32): (64, 64, 2),
-        (70, 64): (64, 64, 2),
-        (70, 128): (64, 64, 2),
+        (80, 32): (64, 128, 4, 2),
+        (80, 64): (64, 128, 4, 2),
+        (80, 128): (128, 64, 8, 1),
+        (70, 32): (64, 64, 2, 1),
+        (70, 64): (64, 64, 2, 1),
+        (70, 128): (64, 64, 2, 1),
     }
 
     def __init__(self) -> None:
@@ -186,7 +187,7 @@ class SparkBackend(Backend):
 
         def score(name: str) -> tuple:
             k = cat[name]
-            exact = want is not None and (k["block_m"], k["block_n"], k["warps_m"]) == want
+            exact = want is not None and (k["block_m"], k["block_n"], k["warps_m"], k["warps_n"]) == want
             return (
                 not exact,
                 k["family"] != family,
