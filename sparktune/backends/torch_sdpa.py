@@ -223,6 +223,10 @@ def _reasons(problem: Problem, config: str, device: DeviceInfo | None) -> list[s
             reasons.append(f"needs sm_{CUDNN_MIN_ARCH}+ (device is sm_{arch})")
         if d > CUDNN_MAX_HEAD_DIM:
             reasons.append(f"head_dim {d} > {CUDNN_MAX_HEAD_DIM}")
+        if problem.seqlen_k == 1:
+            # seen on an H200 (torch 2.11, cuDNN 9.19): "cudnn SDPA does not support key/value
+            # sequence length 1"
+            reasons.append("key/value sequence length 1 is not supported by cuDNN SDPA")
     else:  # efficient
         if arch < EFFICIENT_MIN_ARCH:
             reasons.append(f"needs sm_{EFFICIENT_MIN_ARCH}+ (device is sm_{arch})")
