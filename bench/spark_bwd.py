@@ -29,6 +29,9 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--all-bwd", action="store_true",
+                    help="also time every compiled backward config that supports the shape "
+                         "(with the default forward) and print the best")
     args = ap.parse_args(argv)
 
     from sparktune.backends.spark import SparkBackend
@@ -69,6 +72,17 @@ def main(argv=None) -> int:
                         res[label] = do_bench(torch_fb)
                     except Exception:  # noqa: BLE001
                         res[label] = math.nan
+                if args.all_bwd:
+                    for cand in b.candidates(pf.replace(op="bwd"), dev):
+                        cfg = cand.config
+
+                        def spark_cfg(cfg=cfg):
+                            lse = b.forward(q, k, v, out, config=fwd_cfg, causal=causal, scale=scale)
+                            b.backward(dout, q, k, v, out, lse, dq, dk, dv, config=cfg, causal=causal, scale=scale)
+
+                        t = do_bench(spark_cfg)
+                        print(f"#   {d:>3} {int(causal)} {n:>6} {cfg:<45} {flops / t / 1e9:7.1f} TFLOP/s "
+                              f"x flash {res['flash'] / t:6.3f}", flush=True)
                 tf = {key: flops / t / 1e9 for key, t in res.items()}
                 r = tf["spark"] / tf["flash"]
                 ratios.append(r)

@@ -130,6 +130,11 @@ def backward_space() -> list[BwdEntry]:
     tiles80 = [(64, 64, 4, 1), (64, 128, 4, 2), (128, 64, 8, 1)]
     entries += _bwd_product(80, ["f16"], [32, 64, 128], tiles80, [32])
     entries += _bwd_product(80, ["bf16"], [64, 128], tiles80, [32])
+    # square warp tiles of S and dP (32 x 32 per warp); 128 x 128 keeps dK and dV of a larger
+    # key block on chip for head dim 64, halving the dQ atomics per key
+    square = [(64, 128, 2, 4)]
+    entries += _bwd_product(80, ["f16", "bf16"], [64, 128], square, [32])
+    entries += _bwd_product(80, ["f16", "bf16"], [64], [(128, 128, 2, 4)], [32])
     entries += _bwd_product(80, ["f16"], [32, 64, 128], [(64, 64, 4, 1)], [16])
     # Volta (m8n8k4): fp16 only, both accumulations, 96 KB of shared memory
     entries += _bwd_product(70, ["f16"], [32, 64, 128], [(64, 64, 2, 1)], [32, 16])

@@ -91,6 +91,46 @@ __global__ void __launch_bounds__(kRowKernelThreads)
   }
 }
 
+// dq[r][c] += acc for the fragment's elements of rows below rows_left. Where two neighbouring
+// elements of the fragment are neighbouring columns of one row (the m16n8k16 accumulator holds
+// column pairs) and the GPU adds float2 atomically (sm_90 and later), a pair is one atomic.
+template <int kHeadDim, class Acc, class Coord>
+CUTE_DEVICE void add_dq(float* dq, Acc const& acc, Coord const& coord, int rows_left) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool kPairs = decltype(size(acc))::value % 2 == 0;
+#else
+  constexpr bool kPairs = false;
+#endif
+  if constexpr (kPairs) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); i += 2) {
+      const int r = get<0>(coord(i)), c = get<1>(coord(i));
+      if (get<0>(coord(i + 1)) == r && get<1>(coord(i + 1)) == c + 1 && c % 2 == 0) {
+        if (r < rows_left) {
+          atomicAdd(reinterpret_cast<float2*>(dq + r * kHeadDim + c),
+                    make_float2(static_cast<float>(acc(i)), static_cast<float>(acc(i + 1))));
+        }
+      } else {
+        CUTE_UNROLL
+        for (int j = i; j < i + 2; ++j) {
+          if (get<0>(coord(j)) < rows_left) {
+            atomicAdd(dq + get<0>(coord(j)) * kHeadDim + get<1>(coord(j)),
+                      static_cast<float>(acc(j)));
+          }
+        }
+      }
+    }
+  } else {
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); ++i) {
+      const int r = get<0>(coord(i));
+      if (r < rows_left) {
+        atomicAdd(dq + r * kHeadDim + get<1>(coord(i)), static_cast<float>(acc(i)));
+      }
+    }
+  }
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads)
     bwd_kernel(__grid_constant__ const BwdParams p) {
@@ -370,13 +410,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
             s2r_q_b_thr);
     float* dq_ptr =
         p.dq_accum + ((int64_t(batch) * p.heads_q + head) * p.seqlen_q + row0) * kHeadDim;
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_dq); ++i) {
-      const int r = get<0>(tQcdQ(i));
-      if (!kMask || row0 + r < p.seqlen_q) {
-        atomicAdd(dq_ptr + r * kHeadDim + get<1>(tQcdQ(i)), static_cast<float>(acc_dq(i)));
-      }
-    }
+    add_dq<kHeadDim>(dq_ptr, acc_dq, tQcdQ, kMask ? p.seqlen_q - row0 : kBlockM);
     if (has_next) store_stats(next_lse, next_dsum);  // lse and D were last read before P
   };
 
