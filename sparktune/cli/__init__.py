@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main"]
 
-SUBCOMMANDS: tuple[str, ...] = ("info", "tune", "db")
+SUBCOMMANDS: tuple[str, ...] = ("info", "tune", "db", "bench")
 
 
 def _broken(name: str, error: str):
