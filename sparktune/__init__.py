@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 
 from typing import TYPE_CHECKING, Any
 
+from . import _ops  # noqa: F401  (registers the sparktune:: custom ops)
 from .attention import attention
 from .problem import DeviceInfo, Problem
 

@@ -38,12 +38,12 @@ FALLBACK_BACKENDS = ("reference",)
 _warned: set[str] = set()
 
 
-def _warn_once(key: str, message: str) -> None:
+def _warn_once(key: str, message: str, stacklevel: int = 3) -> None:
     if key in _warned:
         return
     _warned.add(key)
     log.info("%s", message)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
 
 #: CUDA device index -> its fingerprint (a device does not change during a process)
@@ -80,7 +80,7 @@ def _check_scale(scale: object, head_dim: int) -> float:
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number or None, got {scale!r}")
     value = float(scale)
-    if not math.isfinite(value) or value <= 0:
+    if not 0.0 < value < math.inf:  # also false for NaN; traceable by torch.compile
         raise ValueError(f"scale must be a finite positive number, got {scale!r}")
     return value
 
@@ -145,6 +145,15 @@ def _check_inputs(
                 f"{tuple(t.stride())}; other strides may be anything"
             )
     return qb, kb, vb
+
+
+def _checked_sizes(
+    q: object, k: object, v: object, layout: object
+) -> tuple[Any, Any, Any, Any, Any, Any, torch.dtype, torch.device]:
+    """What :func:`_sizes` returns, from the full checks (which raise and say why)."""
+    qb, kb, _ = _check_inputs(q, k, v, layout)
+    b, hq, nq, d = qb.shape
+    return b, hq, kb.shape[1], nq, kb.shape[2], d, qb.dtype, qb.device
 
 
 def _sizes(
@@ -247,6 +256,50 @@ def _forward_alloc(backend: Backend) -> Any:
         return fn
 
 
+#: backend class -> its ``forward_autograd`` method, or None when it has none
+_forward_autograds: dict[type, Any] = {}
+
+
+def _forward_autograd(backend: Backend) -> Any:
+    """The backend's optional ``forward_autograd(q, k, v, *, config, causal, scale) -> out``: a
+    forward recorded by PyTorch's autograd with its own backward ((B, H, N, D) views in, out of
+    q's shape, any strides). Used when the backward would run on the same backend, so that
+    its backward reuses what its forward saved instead of running the forward again."""
+    cls = type(backend)
+    try:
+        return _forward_autograds[cls]
+    except KeyError:
+        fn = _forward_autograds[cls] = getattr(cls, "forward_autograd", None)
+        return fn
+
+
+#: id of a forward Problem -> (that Problem, its backward Problem)
+_bwd_problems: dict[int, tuple[Problem, Problem]] = {}
+
+
+def _backward_problem(problem: Problem) -> Problem:
+    pair = _bwd_problems.get(id(problem))
+    if pair is None or pair[0] is not problem:
+        if len(_bwd_problems) >= _PROBLEMS_MAX:
+            _bwd_problems.clear()
+        pair = _bwd_problems[id(problem)] = (problem, problem.replace(op="bwd"))
+    return pair[1]
+
+
+def _backward_stays(
+    backend: Backend, problem: Problem, device: DeviceInfo | None, forced: bool
+) -> bool:
+    """Whether the backward of ``problem`` runs on ``backend`` too: always when the user forced
+    it, else when dispatch chooses it for the backward problem."""
+    if forced:
+        return True
+    try:
+        selection = dispatch.select(_backward_problem(problem), device)
+    except dispatch.NoKernelError:
+        return False
+    return selection.candidate.backend == backend.name
+
+
 def _new_output(q: torch.Tensor) -> torch.Tensor:
     """An uninitialised contiguous tensor of q's shape, dtype and device."""
     if type(q) is torch.Tensor:  # the same tensor as below, with less argument parsing
@@ -322,7 +375,7 @@ def _backward_choice(plan: _Plan) -> tuple[Backend, str] | None:
     """The backend and config for the backward: chosen by dispatch for the "bwd" problem
     (the user's forced backend, and its forward config where it offers it for "bwd", when
     one was forced); None when none can run it."""
-    problem = plan.problem.replace(op="bwd")
+    problem = _backward_problem(plan.problem)
     try:
         if plan.forced:
             b = plan.backend
@@ -343,6 +396,16 @@ def _backward_choice(plan: _Plan) -> tuple[Backend, str] | None:
     return registry.get_backend(chosen.backend), chosen.config
 
 
+def _grad_buffer(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialised gradient for input ``t``: ``t``'s dtype, device, shape and strides
+    where ``t`` is non-overlapping and dense (a permuted layout stays permuted), contiguous
+    otherwise (e.g. a slice of a packed QKV tensor)."""
+    g = torch.empty_like(t)  # keeps t's strides exactly when t is non-overlapping and dense
+    if g.stride() == t.stride() or g.is_contiguous():
+        return g
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
 def _backward(
     plan: _Plan,
     dout: torch.Tensor,
@@ -355,7 +418,7 @@ def _backward(
     """Gradients in the user's layout, from a backend's backward or the reference math."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
+    grads = [_grad_buffer(t) for t in (q, k, v)]
     bhnd = [_bhnd(t, plan.layout) for t in (dout, q, k, v, out, *grads)]
     choice = _backward_choice(plan)
     if choice is not None:
@@ -384,6 +447,87 @@ def _backward(
     for dst, src in zip(bhnd[5:], computed, strict=True):
         dst.copy_(src)
     return grads[0], grads[1], grads[2]
+
+
+def _warn_fallback(
+    chosen: Any, device: DeviceInfo | None, dev: torch.device, stacklevel: int = 4
+) -> None:
+    """The one-time warning that the forward runs on a fallback (``chosen``, a Candidate)."""
+    why = (
+        f"the tensors are on {dev.type}, and sparktune's GPU kernels need CUDA tensors"
+        if device is None
+        else "no GPU backend can run this problem here (see `sparktune info`)"
+    )
+    _warn_once(
+        "fallback",
+        f"sparktune: attention runs on the fallback {chosen.label} because {why}; "
+        "expect it to be slow",
+        stacklevel=stacklevel,
+    )
+
+
+def _op_plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+    layout: str,
+    backend: str | None,
+    config: str | None,
+    allow_fp16_accum: bool,
+) -> _Plan:
+    """The plan of a call of the custom ops (:mod:`sparktune._ops`) on real tensors: the
+    checks, Problem, dispatch and fallback warning of :func:`attention`'s eager path."""
+    sizes = _sizes(q, k, v, layout)
+    if sizes is None:
+        sizes = _checked_sizes(q, k, v, layout)
+    b, hq, hk, nq, nk, d, dtype, dev = sizes
+    scale = 1.0 / math.sqrt(d) if scale is None else _check_scale(scale, d)
+    causal = bool(causal)
+    problem = _forward_problem((dtype, b, hq, hk, nq, nk, d, causal, bool(allow_fp16_accum)))
+    device = _device_info(dev)
+    selection = dispatch.select(problem, device, backend=backend, config=config)
+    chosen = selection.candidate
+    if (
+        selection.source != "forced"
+        and (device is None or chosen.backend in FALLBACK_BACKENDS)
+        and "fallback" not in _warned
+    ):
+        _warn_fallback(chosen, device, dev)
+    return _Plan(
+        backend=registry.get_backend(chosen.backend),
+        config=chosen.config,
+        causal=causal,
+        scale=scale,
+        layout=layout,
+        problem=problem,
+        device=device,
+        forced=backend is not None,
+    )
+
+
+class _KeepGradStrides(torch.autograd.Function):
+    """Identity on (q, k, v) whose backward gives each gradient its input's strides (as
+    :func:`_grad_buffer` does) when the gradient arrives with others."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):  # type: ignore[override]
+        ctx.inputs = [(t.shape, t.stride(), t.dtype, t.device) for t in (q, k, v)]
+        return q.view_as(q), k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):  # type: ignore[override]
+        out = []
+        for g, (shape, stride, dtype, device) in zip(grads, ctx.inputs, strict=True):
+            if g is not None and g.stride() != stride:
+                # the strides _grad_buffer would choose, worked out on the meta device
+                want = _grad_buffer(torch.empty_strided(shape, stride, dtype=dtype, device="meta"))
+                if want.stride() != g.stride():
+                    g = torch.empty_strided(shape, want.stride(), dtype=dtype, device=device).copy_(g)
+            out.append(g)
+        return tuple(out)
 
 
 class _AttentionFunction(torch.autograd.Function):
@@ -459,12 +603,28 @@ def attention(
     backward, or none can run it, the float32 reference math recomputes the gradients (a
     one-time warning says so).
     Running on a fallback (CPU tensors, or the reference backend) is announced once per process.
+
+    Where the forward's backend offers a forward recorded by PyTorch's own autograd
+    (``forward_autograd``: the ``torch`` backend) and the backward would run on that backend too
+    (forced, or chosen by dispatch for the backward problem), that forward is used and its
+    backward is PyTorch's, from what PyTorch saved: nothing is computed twice.
+
+    Under ``torch.compile`` (and ``torch.export``) the inputs are checked while tracing, and the
+    call becomes the custom op ``sparktune::attention_fwd`` (:mod:`sparktune._ops`), whose
+    backward is ``sparktune::attention_bwd``: no graph break. The kernel is chosen when the op
+    runs, as above; a forced backend that cannot run the problem raises then.
+    Gradients keep their input's strides where the input is non-overlapping and dense, and are
+    contiguous otherwise (e.g. for slices of a packed QKV tensor).
     """
     sizes = _sizes(q, k, v, layout)
     if sizes is None:  # something is wrong (this raises and says what) or unusual
-        qb, kb, _ = _check_inputs(q, k, v, layout)
-        b, hq, nq, d = qb.shape
-        sizes = (b, hq, kb.shape[1], nq, kb.shape[2], d, q.dtype, q.device)
+        sizes = _checked_sizes(q, k, v, layout)
+    if torch.compiler.is_compiling():  # traced: one custom op, dispatched when it runs
+        from ._ops import traced_attention
+
+        return traced_attention(
+            q, k, v, sizes[5], causal, scale, layout, backend, config, allow_fp16_accum, return_lse
+        )
     b, hq, hk, nq, nk, d, dtype, dev = sizes
     if scale is None:
         scale = 1.0 / math.sqrt(d)
@@ -481,19 +641,28 @@ def attention(
         and (device is None or chosen.backend in FALLBACK_BACKENDS)
         and "fallback" not in _warned
     ):
-        why = (
-            f"the tensors are on {dev.type}, and sparktune's GPU kernels need CUDA tensors"
-            if device is None
-            else "no GPU backend can run this problem here (see `sparktune info`)"
-        )
-        _warn_once(
-            "fallback",
-            f"sparktune: attention runs on the fallback {chosen.label} because {why}; "
-            "expect it to be slow",
-        )
+        _warn_fallback(chosen, device, dev)
     impl = registry.get_backend(chosen.backend)
 
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        native = _forward_autograd(impl)
+        if (
+            native is not None
+            and not return_lse
+            and _backward_stays(impl, problem, device, backend is not None)
+        ):
+            q, k, v = _KeepGradStrides.apply(q, k, v)
+            out = native(
+                impl,
+                _bhnd(q, layout),
+                _bhnd(k, layout),
+                _bhnd(v, layout),
+                config=chosen.config,
+                causal=causal,
+                scale=scale,
+            )
+            out = _bhnd(out, layout)
+            return out if out.is_contiguous() else out.contiguous()
         plan = _Plan(
             backend=impl,
             config=chosen.config,

@@ -1,0 +1,161 @@
+"""``sparktune.attention()`` as ``torch.library`` custom ops, for ``torch.compile`` and export.
+
+- ``sparktune::attention_fwd(q, k, v, causal, scale, layout, backend, config,
+  allow_fp16_accum, need_lse) -> (out, lse)``
+- ``sparktune::attention_bwd(dout, q, k, v, out, lse, causal, scale, layout, backend, config,
+  allow_fp16_accum) -> (dq, dk, dv)``
+
+Tensors are in the caller's layout (``"bhnd"`` or ``"bnhd"``), as :func:`sparktune.attention`
+takes them. ``scale`` None means ``1/sqrt(head_dim)``; ``backend`` and ``config`` None mean
+that dispatch chooses. The kernel is chosen when the op runs, from the real tensors, by the
+eager path's own machinery (Problem, dispatch, fallbacks and their warnings), so one traced
+graph serves every shape that its guards admit. ``out`` has q's shape and dtype, contiguous
+in the caller's layout; ``lse`` is float32 ``(B, Hq, Nq)``, contiguous, or an empty float32
+tensor of shape ``(0,)`` when ``need_lse`` is False (``attention_bwd`` then recomputes it).
+Gradients have their input's dtype, and its strides where the input is non-overlapping and
+dense (contiguous otherwise). ``attention_fwd`` is differentiable in q, k and v through
+``attention_bwd``; ``lse`` is not differentiable.
+
+:func:`sparktune.attention` calls ``attention_fwd`` instead of its eager path while
+``torch.compiler.is_compiling()`` is true.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .attention import _backward, _check_scale, _forward, _grad_buffer, _op_plan
+
+__all__ = ["attention_bwd", "attention_fwd", "traced_attention"]
+
+#: the non-tensor arguments both ops take, after their tensors
+_SCALARS_SCHEMA = (
+    "bool causal, float? scale, str layout, str? backend, str? config, bool allow_fp16_accum"
+)
+_FWD_SCHEMA = (
+    f"(Tensor q, Tensor k, Tensor v, {_SCALARS_SCHEMA}, bool need_lse) -> (Tensor, Tensor)"
+)
+_BWD_SCHEMA = (
+    f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_SCALARS_SCHEMA}) "
+    "-> (Tensor, Tensor, Tensor)"
+)
+_NUM_SCALARS = 6
+#: the shape of the lse that attention_fwd returns with need_lse=False
+_NO_LSE = (0,)
+
+#: the dispatch keys of autograd, which an op's real implementation runs without
+_AUTOGRAD_KEYS = tuple(
+    getattr(torch._C.DispatchKey, name)
+    for name in ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor")
+    if hasattr(torch._C.DispatchKey, name)
+)
+
+
+@contextlib.contextmanager
+def _autograd_dispatch() -> Iterator[None]:
+    """Autograd's dispatch keys back on inside an op's real implementation: the torch
+    backend's backward and the float32 reference fallback differentiate a recomputed forward
+    with ``torch.autograd.grad``, and a custom op's implementation runs below autograd."""
+    with contextlib.ExitStack() as stack:
+        for key in _AUTOGRAD_KEYS:
+            stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
+        yield
+
+
+def _bhnd_rows(q: torch.Tensor, layout: str) -> tuple[Any, Any, Any]:
+    """(batch, heads_q, seqlen_q) of q given in ``layout``."""
+    if layout == "bhnd":
+        return q.shape[0], q.shape[1], q.shape[2]
+    return q.shape[0], q.shape[2], q.shape[1]
+
+
+@torch.library.custom_op("sparktune::attention_fwd", mutates_args=(), schema=_FWD_SCHEMA)
+def attention_fwd(q, k, v, causal, scale, layout, backend, config, allow_fp16_accum, need_lse):
+    plan = _op_plan(q, k, v, causal, scale, layout, backend, config, allow_fp16_accum)
+    out, lse = _forward(plan, q, k, v, need_lse)
+    if not need_lse:
+        return out, q.new_empty(_NO_LSE, dtype=torch.float32)
+    if lse.dtype != torch.float32 or not lse.is_contiguous():
+        lse = lse.to(torch.float32, memory_format=torch.contiguous_format)
+    return out, lse
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(
+    q, k, v, causal, scale, layout, backend, config, allow_fp16_accum, need_lse
+):
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse_shape = _bhnd_rows(q, layout) if need_lse else _NO_LSE
+    return out, q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("sparktune::attention_bwd", mutates_args=(), schema=_BWD_SCHEMA)
+def attention_bwd(
+    dout, q, k, v, out, lse, causal, scale, layout, backend, config, allow_fp16_accum
+):
+    plan = _op_plan(q, k, v, causal, scale, layout, backend, config, allow_fp16_accum)
+    if lse.numel() == 0:  # from a forward run with need_lse=False
+        _, lse = _forward(plan, q, k, v, True)
+    with _autograd_dispatch(), torch.no_grad():  # as the eager once-differentiable backward
+        return _backward(plan, dout, q, k, v, out, lse)
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(
+    dout, q, k, v, out, lse, causal, scale, layout, backend, config, allow_fp16_accum
+):
+    return _grad_buffer(q), _grad_buffer(k), _grad_buffer(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v = inputs[:3]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.scalars = tuple(inputs[3 : 3 + _NUM_SCALARS])
+    ctx.mark_non_differentiable(lse)
+
+
+def _attention_fwd_backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = attention_bwd(dout, q, k, v, out, lse, *ctx.scalars)
+    need = ctx.needs_input_grad
+    return (
+        dq if need[0] else None,
+        dk if need[1] else None,
+        dv if need[2] else None,
+        *(None,) * (_NUM_SCALARS + 1),  # the scalars and need_lse
+    )
+
+
+attention_fwd.register_autograd(_attention_fwd_backward, setup_context=_setup_context)
+
+
+def traced_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    head_dim: Any,
+    causal: Any,
+    scale: Any,
+    layout: str,
+    backend: str | None,
+    config: str | None,
+    allow_fp16_accum: Any,
+    return_lse: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sparktune.attention` while a compiler traces it, for inputs that passed its
+    checks: the scale is checked, then one ``attention_fwd``. The log-sum-exp is computed
+    when it is returned or when autograd may need it."""
+    if scale is not None:
+        scale = _check_scale(scale, head_dim)
+    need_lse = bool(return_lse) or (
+        torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    )
+    out, lse = attention_fwd(
+        q, k, v, bool(causal), scale, layout, backend, config, bool(allow_fp16_accum), need_lse
+    )
+    return (out, lse) if return_lse else out
