@@ -400,6 +400,29 @@ class TorchSDPABackend(Backend):
                 return self._run(config, q, k, v, causal, scale, need_lse)
         return self._run(config, q, k, v, causal, scale, need_lse)
 
+    def forward_autograd(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        config: str,
+        causal: bool,
+        scale: float,
+    ) -> torch.Tensor:
+        """The forward recorded by PyTorch's own autograd ((B, H, N, D) views in, out of q's
+        shape with torch's strides): its backward is SDPA's backward of the same kernel, from
+        what SDPA saved itself, with no second forward. ``sparktune.attention()`` uses it when
+        the backward would run on this backend too."""
+        self._check_config(config)
+        q, k, v = _prepare(config, q, k, v)
+        o = self._sdpa(config, q, k, v, causal, scale)
+        nq, nk = q.shape[2], k.shape[2]
+        if causal and nq > nk:  # rows that see no key give 0
+            keep = torch.arange(nq, device=q.device) >= nq - nk
+            o = o * keep[:, None].to(o.dtype)
+        return o
+
     def _run(
         self,
         config: str,

@@ -1,0 +1,74 @@
+"""A forward whose backward runs on the same backend uses that backend's own autograd (the
+torch backend: SDPA records its graph and its backward reuses what its forward saved)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sparktune
+from sparktune.backends.reference import reference_attention_backward
+
+
+def _inputs(b=2, hq=4, hk=2, nq=37, nk=53, d=16, dtype=torch.float32, layout="bhnd"):
+    shape_q = (b, hq, nq, d) if layout == "bhnd" else (b, nq, hq, d)
+    shape_k = (b, hk, nk, d) if layout == "bhnd" else (b, nk, hk, d)
+    q = torch.randn(shape_q, dtype=dtype, requires_grad=True)
+    k = torch.randn(shape_k, dtype=dtype, requires_grad=True)
+    v = torch.randn(shape_k, dtype=dtype, requires_grad=True)
+    return q, k, v
+
+
+def _grad_fn_names(t: torch.Tensor) -> set[str]:
+    names, todo, seen = set(), [t.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        todo.extend(f for f, _ in fn.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forced_torch_backend_records_pytorch_autograd(layout, causal):
+    q, k, v = (t.detach().half().requires_grad_() for t in _inputs(layout=layout))
+    out = sparktune.attention(q, k, v, causal=causal, layout=layout, backend="torch", config="math")
+    names = _grad_fn_names(out)
+    assert not any("_AttentionFunction" in n for n in names), names
+    assert out.is_contiguous() and out.shape == q.shape and out.dtype == q.dtype
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    to_bhnd = (lambda t: t) if layout == "bhnd" else (lambda t: t.transpose(1, 2))
+    ref = reference_attention_backward(
+        *(to_bhnd(t.detach().double()) for t in (dout, q, k, v)), causal=causal,
+        scale=q.shape[-1] ** -0.5,
+    )
+    for g, r, name in zip(grads, ref, ("dq", "dk", "dv"), strict=True):
+        assert g.dtype == torch.float16
+        err = (to_bhnd(g).double() - r).abs().max().item()
+        assert err < 2e-2, f"{name}: max error {err}"
+
+
+def test_rows_without_keys_give_zero_output_and_gradients():
+    # causal with seqlen_q > seqlen_k: the first rows see no key
+    q, k, v = (t.detach().half().requires_grad_() for t in _inputs(nq=9, nk=4))
+    out = sparktune.attention(q, k, v, causal=True, backend="torch", config="math")
+    assert torch.equal(out[:, :, :5], torch.zeros_like(out[:, :, :5]))
+    dq, = torch.autograd.grad(out, (q,), torch.randn_like(out))
+    assert torch.equal(dq[:, :, :5], torch.zeros_like(dq[:, :, :5]))
+
+
+def test_return_lse_keeps_the_sparktune_autograd_function():
+    q, k, v = (t.detach().half().requires_grad_() for t in _inputs())
+    out, lse = sparktune.attention(q, k, v, backend="torch", config="math", return_lse=True)
+    assert any("_AttentionFunction" in n for n in _grad_fn_names(out))
+    assert lse.shape == (2, 4, 37)
+
+
+def test_other_backends_keep_the_sparktune_autograd_function():
+    q, k, v = (t.detach().half().requires_grad_() for t in _inputs())
+    out = sparktune.attention(q, k, v, backend="reference")
+    assert any("_AttentionFunction" in n for n in _grad_fn_names(out))
