@@ -4,7 +4,8 @@ The order: a forced choice (``backend=``/``config=``), then the tuning store's b
 this exact problem on this device and kernel build, then the best record of the nearest tuned
 shape of the same kind, then the heuristic default. The store (the user's or shared database
 over the shipped ``tuning_db/`` files) is read once per process and device into a dictionary;
-every resolved problem is memoised, so a repeated call costs one dictionary lookup.
+every resolved problem is memoised, so a repeated call costs one dictionary lookup (the memo
+is bounded: past :data:`_MEMO_MAX` selections it starts afresh).
 
 A missing, locked, corrupted or unreachable database never raises into the caller: it is
 logged once and the defaults are used. Nothing here ever tunes.
@@ -89,6 +90,9 @@ class Selection:
 _lock = threading.RLock()
 #: (problem, device, backend, config) -> the selection made for it
 _memo: dict[tuple[Problem, DeviceInfo | None, str | None, str | None], Selection] = {}
+#: more selections than this (e.g. a decode length that keeps growing) start the memo afresh;
+#: the size is looked at only when a selection is made, never on a hit
+_MEMO_MAX = 4096
 #: (GPU model, build id) -> what the store says about that device
 _tables: dict[tuple[str, tuple[int, int], int, str], _Table] = {}
 _counts: dict[str, int] = dict.fromkeys(SOURCES, 0)
@@ -232,10 +236,17 @@ def _read_store(device: DeviceInfo, build: str) -> tuple[list[Record], str, str]
                         return snap.records, f"{where} ({_snapshot_text(snap)}, younger than ${ENV_SNAPSHOT_TTL})", ""
                 except (OSError, ValueError):
                     pass  # no usable snapshot: ask the server
+        invalid: list[Any] = []
         with Store(
             url, create=False, upgrade=True, timeout=READ_TIMEOUT_S, statement_timeout=STATEMENT_TIMEOUT_S
         ) as store:
-            records, shown = store.records(device=device, build_id=build), store.display_url
+            records, shown = store.records(device=device, build_id=build, errors=invalid), store.display_url
+        if invalid:
+            _warn_once(
+                f"rows:{shown}",
+                f"sparktune: {len(invalid)} invalid row(s) in the tuning database {shown} were ignored "
+                f"(the other records are used), first: {invalid[0]}",
+            )
     except StoreMissingError as exc:
         if explicit:
             msg = f"sparktune: {exc}; using the default kernels"
@@ -462,6 +473,8 @@ def select(
         if backend is None and config is not None:
             raise ValueError("config= needs backend= too (a config name belongs to one backend)")
         sel = _forced(problem, device, backend, config) if backend is not None else _resolve(problem, device)
+        if len(_memo) >= _MEMO_MAX:
+            _memo.clear()
         _memo[key] = sel
     _counts[sel.source] += 1
     return sel

@@ -8,6 +8,10 @@ raises on load) never breaks the caller: it is logged once, listed by :func:`bac
 and appears in :func:`backends` as an :class:`UnavailableBackend` whose
 ``unavailable_reasons()`` carries the error, so dispatch skips it and ``sparktune info`` says why.
 
+Lookups of loaded backends take no lock: the loaded backends are published as a dictionary
+that is replaced, never changed, whenever a backend is loaded, registered or removed (under the
+lock), so :func:`get_backend` on a dispatch hit is one dictionary lookup.
+
 A plugin's entry point name is its registry name, and the object it points to is a
 :class:`~sparktune.backends.base.Backend` subclass (instantiated without arguments), an
 instance, or a callable returning an instance. Its ``name`` attribute must equal the entry
@@ -94,13 +98,30 @@ class UnavailableBackend(Backend):
 
 
 _lock = threading.RLock()
-#: loaded backends (real or UnavailableBackend), by name
+#: loaded backends (real or UnavailableBackend), by name; changed only under the lock
 _loaded: dict[str, Backend] = {}
 #: names known but not loaded yet -> how to load them: ("builtin", path) or ("plugin", ep)
 _pending: dict[str, tuple[str, Any]] = {}
 #: names whose loading failed -> the error text
 _errors: dict[str, str] = {}
 _discovered = False
+#: what readers see without the lock: a copy of ``_loaded`` that is replaced, never changed
+_published: dict[str, Backend] = {}
+#: the whole registry in order (built-ins first) once everything is discovered and loaded;
+#: None while something is pending. Replaced, never changed, like ``_published``.
+_published_all: dict[str, Backend] | None = None
+
+
+def _publish() -> None:
+    """Make the current state visible to the lock-free readers (call under the lock)."""
+    global _published, _published_all
+    _published = dict(_loaded)
+    if _discovered and not _pending:
+        ordered = {n: _loaded[n] for n in BUILTIN_BACKENDS if n in _loaded}
+        ordered.update((n, b) for n, b in _loaded.items() if n not in ordered)
+        _published_all = ordered
+    else:
+        _published_all = None
 
 
 def _describe(exc: BaseException) -> str:
@@ -167,23 +188,35 @@ def _load(name: str) -> Backend:
         source = what if kind == "builtin" else f"entry point {what.value!r}"
         backend = _fail(name, f"cannot load {source}: {_describe(exc)}")
     _loaded[name] = backend
+    _publish()
     return backend
 
 
 def backends() -> dict[str, Backend]:
     """Every registered backend by name (built-ins first, then plugins), loading what is not
-    loaded yet. Backends that failed to load appear as :class:`UnavailableBackend`."""
+    loaded yet. Backends that failed to load appear as :class:`UnavailableBackend`. Once
+    everything is loaded this takes no lock. The dictionary returned is the caller's."""
+    ready = _published_all
+    if ready is not None:
+        return dict(ready)
     with _lock:
         _discover()
         for name in list(_pending):
             _load(name)
-        ordered = {n: _loaded[n] for n in BUILTIN_BACKENDS if n in _loaded}
-        ordered.update((n, b) for n, b in _loaded.items() if n not in ordered)
-        return ordered
+        _publish()
+        return dict(_published_all if _published_all is not None else _published)
 
 
 def get_backend(name: str) -> Backend:
-    """The backend registered as ``name`` (loading only that one when it is a built-in)."""
+    """The backend registered as ``name`` (loading only that one when it is a built-in).
+    A loaded backend is found without taking a lock."""
+    backend = _published.get(name)
+    if backend is not None:
+        return backend
+    return _get_backend_locked(name)
+
+
+def _get_backend_locked(name: str) -> Backend:
     with _lock:
         if name in _loaded:
             return _loaded[name]
@@ -219,6 +252,7 @@ def register_backend(backend: Backend, *, replace: bool = False) -> None:
         _pending.pop(name, None)
         _errors.pop(name, None)
         _loaded[name] = backend
+        _publish()
     _selections_changed()
 
 
@@ -230,6 +264,7 @@ def unregister_backend(name: str) -> Backend | None:
         _pending.pop(name, None)
         _errors.pop(name, None)
         removed = _loaded.pop(name, None)
+        _publish()
     _selections_changed()
     return removed
 
@@ -258,3 +293,4 @@ def _reset() -> None:
         _pending.clear()
         _errors.clear()
         _discovered = False
+        _publish()

@@ -168,3 +168,67 @@ def test_dispatch_skips_unavailable_backends(monkeypatch):
     fake_entry_points(monkeypatch, ("broken", "sparktune_no_such_module:Backend"))
     chosen = select(PROBLEM, None)
     assert chosen.candidate.backend in ("torch", "reference")
+
+
+def _in_thread(fn, timeout=10.0):
+    """(finished, result) of ``fn()`` run in another thread, waiting at most ``timeout``."""
+    import threading
+
+    box = {}
+
+    def run():
+        box["result"] = fn()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    return not t.is_alive(), box.get("result")
+
+
+def test_lookups_of_loaded_backends_take_no_lock():
+    import threading
+
+    plugin = PluginBackend()
+    register_backend(plugin)
+    backends()  # everything loaded
+    held, release = threading.Event(), threading.Event()
+
+    def holder():
+        with registry._lock:
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=holder, daemon=True)
+    t.start()
+    assert held.wait(10)
+    try:
+        done, found = _in_thread(lambda: get_backend("plugin"))
+        assert done and found is plugin, "get_backend waited for the registry lock"
+        done, found = _in_thread(lambda: get_backend("reference"))
+        assert done and isinstance(found, ReferenceBackend)
+        done, found = _in_thread(backends)
+        assert done and found["plugin"] is plugin and list(found)[:4] == ["spark", "triton", "torch", "reference"]
+    finally:
+        release.set()
+        t.join(10)
+
+
+def test_lock_free_readers_see_every_change_at_once():
+    backends()
+    first = PluginBackend()
+    register_backend(first)
+    assert get_backend("plugin") is first and backends()["plugin"] is first
+    second = PluginBackend()
+    register_backend(second, replace=True)
+    assert get_backend("plugin") is second and backends()["plugin"] is second
+    unregister_backend("plugin")
+    assert "plugin" not in backends()
+    with pytest.raises(ValueError, match="unknown backend 'plugin'"):
+        get_backend("plugin")
+    # a caller's dictionary is its own
+    mine = backends()
+    mine.pop("reference")
+    mine["intruder"] = first
+    assert "reference" in backends() and "intruder" not in backends()
+    with pytest.raises(ValueError, match="unknown backend 'intruder'"):
+        get_backend("intruder")

@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["add_parser"]
@@ -122,12 +123,31 @@ def _open(args: argparse.Namespace, *, create: bool = False) -> Any:
         return _fail(f"cannot open {safe_url(args.db)}: {open_error_text(exc, args.db)}")
 
 
+@dataclass
+class _Layer:
+    """One layer of records, as dispatch sees them: 1 is the most specific."""
+
+    index: int
+    kind: str  # "database" or "shipped"
+    source: str
+    records: int = 0
+    #: shipped layer: file (record source) -> records
+    files: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"layer": self.index, "kind": self.kind, "source": self.source, "records": self.records}
+        if self.kind == "shipped":
+            out["files"] = [{"source": f, "records": n} for f, n in sorted(self.files.items())]
+        return out
+
+
 def _all_records(
-    args: argparse.Namespace, *, shipped: bool, layers: list[tuple[str, int]] | None = None
+    args: argparse.Namespace, *, shipped: bool, layers: list[_Layer] | None = None
 ) -> tuple[list[Any], str] | int:
-    """Every record of the database, then of the shipped files; ``layers`` receives (source,
-    records) for each layer, most specific first."""
-    from ..db import load_shipped, safe_url
+    """Every record of the database, then of the shipped files; ``layers`` receives the
+    layers, most specific first. Rows or lines that are not valid records are left out with
+    a warning on standard error."""
+    from ..db import load_shipped, safe_url, shipped_dir
 
     store = _open(args)
     if isinstance(store, int):
@@ -135,11 +155,20 @@ def _all_records(
     records: list[Any] = []
     where = safe_url(args.db)
     if store is not None:
+        invalid: list[Any] = []
         with store:
-            records = store.records()
-            where = f"{store.display_url} (schema {store.version})"
+            try:
+                records = store.records(errors=invalid)
+            except Exception as exc:  # noqa: BLE001 - one line, no traceback, no password
+                from ..db import open_error_text
+
+                return _fail(f"cannot read {store.display_url}: {open_error_text(exc, args.db)}")
+            state = f"schema {store.version}" if store.version is not None else "no sparktune tables yet"
+            where = f"{store.display_url} ({state})"
             if layers is not None:
-                layers.append((store.display_url, len(records)))
+                layers.append(_Layer(len(layers) + 1, "database", store.display_url, len(records)))
+        for e in invalid:
+            print(f"sparktune db: warning: {store.display_url}: {e} (left out)", file=sys.stderr)
     else:
         where += " (not created yet)"
     if shipped:
@@ -147,12 +176,23 @@ def _all_records(
         for e in bad:
             print(f"sparktune db: warning: {e}", file=sys.stderr)
         records.extend(recs)
-        if layers is not None:
-            per_file: dict[str, int] = {}
+        if layers is not None and recs:
+            d = shipped_dir()
+            layer = _Layer(len(layers) + 1, "shipped", str(d) if d is not None else "tuning_db", len(recs))
             for r in recs:
-                per_file[r.source] = per_file.get(r.source, 0) + 1
-            layers.extend(sorted(per_file.items()))
+                layer.files[r.source] = layer.files.get(r.source, 0) + 1
+            layers.append(layer)
     return records, where
+
+
+def _remove(path: Any) -> None:
+    """Remove a partial output file, if there is one."""
+    import os
+
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _fmt(x: float | None, spec: str = ".4g") -> str:
@@ -175,59 +215,93 @@ def _device_text(r: Any) -> str:
 # --------------------------------------------------------------------------- actions
 
 
+def _layer_of(r: Any, layers: list[_Layer]) -> int:
+    for layer in layers:
+        if (layer.kind == "database" and r.source == layer.source) or (layer.kind == "shipped" and r.source in layer.files):
+            return layer.index
+    return 0
+
+
 def _list(args: argparse.Namespace) -> int:
     from ..db import problem_key, rank, record_to_json
 
-    layers: list[tuple[str, int]] = []
+    layers: list[_Layer] = []
     got = _all_records(args, shipped=not args.no_shipped, layers=layers)
     if isinstance(got, int):
         return got
     records, where = got
+    layer_of = {r.uid + "\0" + r.source: _layer_of(r, layers) for r in records}
+
+    def lay(r: Any) -> int:
+        return layer_of[r.uid + "\0" + r.source]
+
+    #: (device model, build, problem) -> the layer whose records dispatch uses
+    deciding: dict[tuple, int] = {}
     if args.all:
-        chosen = sorted(records, key=lambda r: (problem_key(r.problem), _device_text(r), r.build_id, r.measured_at))
+        chosen = sorted(records, key=lambda r: (problem_key(r.problem), _device_text(r), r.build_id, lay(r), r.measured_at))
         counts = None
     else:
+        # ranked as dispatch ranks them: per GPU model, build and layer (the shipped files are one layer)
         groups: dict[tuple, list[Any]] = {}
         for r in records:
-            groups.setdefault((r.device.name, r.device.capability, r.device.sm_count, r.build_id, r.source), []).append(r)
+            groups.setdefault((r.device.name, r.device.capability, r.device.sm_count, r.build_id, lay(r)), []).append(r)
         chosen, counts = [], {}
-        for recs in groups.values():
+        for g, recs in groups.items():
             for problem, ranked in rank(recs).items():
                 best = ranked[0]
                 chosen.append(best)
-                counts[best.uid] = (len(ranked), sum(1 for r in recs if r.problem == problem))
-        chosen.sort(key=lambda r: (problem_key(r.problem), _device_text(r), r.build_id, r.source))
+                counts[(best.uid, g[4])] = (len(ranked), sum(1 for r in recs if r.problem == problem))
+                k = (*g[:4], problem)
+                deciding[k] = min(deciding.get(k, g[4]), g[4])
+        chosen.sort(key=lambda r: (problem_key(r.problem), _device_text(r), r.build_id, lay(r)))
+
+    def hidden_by(r: Any) -> int | None:
+        if args.all:
+            return None
+        first = deciding[(r.device.name, r.device.capability, r.device.sm_count, r.build_id, r.problem)]
+        return first if first != lay(r) else None
+
     if args.json:
         out = []
         for r in chosen:
             obj = record_to_json(r)
             obj["key"] = problem_key(r.problem)
             obj["source"] = r.source
+            obj["layer"] = lay(r)
             if counts is not None:
-                obj["usable_candidates"], obj["measured"] = counts[r.uid]
+                obj["usable_candidates"], obj["measured"] = counts[(r.uid, lay(r))]
+                obj["overridden_by_layer"] = hidden_by(r)
             out.append(obj)
         print(json.dumps({
             "database": where,
-            "layers": [{"source": src, "records": n} for src, n in layers],
+            "layers": [layer.to_json() for layer in layers],
             "records": out,
         }, indent=2))
         return 0
     print(f"database: {where}")
     if layers:
         print("layers, most specific first (for a problem, the first layer with a usable record decides):")
-        for i, (src, n) in enumerate(layers, 1):
-            print(f"  {i}. {src}: {n} record(s)")
+        for layer in layers:
+            if layer.kind == "database":
+                print(f"  {layer.index}. {layer.source}: {layer.records} record(s)")
+            else:
+                files = ", ".join(f"{f.removeprefix('shipped:')} ({n})" for f, n in sorted(layer.files.items()))
+                print(f"  {layer.index}. shipped, read-only, {layer.source}: {layer.records} record(s): {files}")
     if not chosen:
         print("no tuning records" + (" (tune with `sparktune tune`)" if not records else " usable"))
         return 0
-    header = ["key", "device", "build", "best" if counts is not None else "candidate", "status", "median ms", "TFLOP/s", "source"]
+    header = ["key", "device", "build", "best" if counts is not None else "candidate", "status", "median ms", "TFLOP/s",
+              "layer", "source"]
     if counts is not None:
         header.insert(6, "usable/measured")
     rows = []
     for r in chosen:
-        row = [problem_key(r.problem), _device_text(r), r.build_id, r.label, r.status, _fmt(r.median_ms), _fmt(r.tflops, ".1f"), r.source]
+        hidden = hidden_by(r)
+        layer_text = str(lay(r)) + (f" (layer {hidden} decides)" if hidden is not None else "")
+        row = [problem_key(r.problem), _device_text(r), r.build_id, r.label, r.status, _fmt(r.median_ms), _fmt(r.tflops, ".1f"),
+               layer_text, r.source]
         if counts is not None:
-            row.insert(6, "{}/{}".format(*counts[r.uid]))
+            row.insert(6, "{}/{}".format(*counts[(r.uid, lay(r))]))
         rows.append(row)
     print(_table(rows, header))
     return 0
@@ -352,6 +426,7 @@ def _export_per_device(records: list[Any], directory: str) -> int:
                 write_jsonl(recs, fp)
             os.replace(tmp, out / name)
         except OSError as e:
+            _remove(tmp)
             return _fail(f"cannot write {out / name}: {e.strerror or e}")
         print(f"exported {len(recs)} record(s) to {out / name}", file=sys.stderr)
     return 0
@@ -371,14 +446,15 @@ def _export(args: argparse.Namespace) -> int:
     if args.file in (None, "-"):
         write_jsonl(records, sys.stdout)
         return 0
+    import os
+
     tmp = f"{args.file}.partial"
     try:
         with open(tmp, "w", encoding="utf-8") as fp:
             n = write_jsonl(records, fp)
-        import os
-
         os.replace(tmp, args.file)
     except OSError as e:
+        _remove(tmp)
         return _fail(f"cannot write {args.file}: {e.strerror or e}")
     print(f"exported {n} record(s) to {args.file}", file=sys.stderr)
     return 0
@@ -397,6 +473,10 @@ def _import(args: argparse.Namespace) -> int:
             report = import_jsonl(store, args.file, skip_invalid=args.skip_invalid, check=check)
         except OSError as e:
             return _fail(f"cannot read {args.file}: {e.strerror or e}")
+        except Exception as exc:  # noqa: BLE001 - one line, no traceback, no password
+            from ..db import open_error_text
+
+            return _fail(f"cannot import into {store.display_url}: {open_error_text(exc, args.db)}; nothing imported")
         where = store.display_url
     for e in report.errors:
         print(f"{e}", file=sys.stderr)
@@ -426,7 +506,12 @@ def _merge(args: argparse.Namespace) -> int:
         return store
     check = None if args.no_kernel_check else registry_kernel_check(build_id())
     with store:
-        report = merge(store, args.sources, skip_invalid=args.skip_invalid, check=check, dry_run=args.dry_run)
+        try:
+            report = merge(store, args.sources, skip_invalid=args.skip_invalid, check=check, dry_run=args.dry_run)
+        except Exception as exc:  # noqa: BLE001 - one line, no traceback, no password
+            from ..db import open_error_text
+
+            return _fail(f"cannot merge into {store.display_url}: {open_error_text(exc, args.db)}; nothing merged")
     for e in report.errors:
         print(f"{e}", file=sys.stderr)
     failed = [s for s in report.sources if s.failed]

@@ -84,6 +84,7 @@ def problems_from_args(args: argparse.Namespace) -> tuple[list[Any], dict[str, A
     from ..problem import Problem
     from ..tune import DTYPE_ALIASES, load_recipe
 
+    _check_budget(args)
     if args.recipe:
         recipe = load_recipe(args.recipe)
         return list(recipe.problems), {
@@ -115,6 +116,20 @@ def problems_from_args(args: argparse.Namespace) -> tuple[list[Any], dict[str, A
         for op in ops
     ]
     return problems, {}
+
+
+def _check_budget(args: argparse.Namespace) -> None:
+    """The numbers of the budget and of distributed tuning make sense (ValueError if not)."""
+    import math
+
+    for name, minimum, strict in (("trials", 1, False), ("timeout", 0, True), ("lease", 0, True),
+                                  ("reconnect", 0, False), ("top", 0, False)):
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if not math.isfinite(value) or value < minimum or (strict and value == minimum):
+            bound = f"more than {minimum}" if strict else f"at least {minimum}"
+            raise ValueError(f"--{name} must be {bound}, got {value:g}")
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -221,6 +236,12 @@ def run(
     except DatabaseUnavailable as e:
         code = _fail(f"{open_error_text(e, args.db)}; stopping. Problems this worker held are released when "
                      "their leases expire; run the command again to go on.", 3)
+    except Exception as e:
+        if not _is_database_error(e):
+            raise
+        code = _fail(f"the tuning database {store.display_url} failed: {open_error_text(e, args.db)}; stopping. "
+                     + ("Problems this worker held are released when their leases expire; run the command "
+                        "again to go on." if worker is not None else "Run the command again to go on."), 3)
     except KeyboardInterrupt:
         code = _fail(
             "interrupted; "
@@ -254,6 +275,20 @@ def run(
     if code == 0 and report is not None and (report.count("failed") or report.count("running")):
         code = 1
     return code
+
+
+def _is_database_error(exc: BaseException) -> bool:
+    """Whether ``exc`` comes from the database (SQLAlchemy, its driver, Optuna's storage)."""
+    import sqlalchemy as sa
+
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, sa.exc.SQLAlchemyError) or type(e).__name__ == "StorageInternalError":
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _key(p: Any) -> str:

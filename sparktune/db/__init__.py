@@ -49,7 +49,7 @@ from ._records import (
 )
 from ._schema import SCHEMA_VERSION, SchemaError, SchemaOutdatedError, SchemaTooNewError
 from ._snapshot import ENV_SNAPSHOT_DIR, Snapshot, read_snapshot, snapshot_path, write_snapshot
-from ._store import Store, StoreMissingError, open_error_text
+from ._store import RowError, Store, StoreMissingError, open_error_text
 
 __all__ = [
     "ENV_DB",
@@ -67,6 +67,7 @@ __all__ = [
     "MergeReport",
     "Record",
     "RecordError",
+    "RowError",
     "SchemaError",
     "SchemaOutdatedError",
     "SchemaTooNewError",

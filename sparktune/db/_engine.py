@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ __all__ = [
     "is_network",
     "lock_for_schema_change",
     "make_engine",
+    "render_safe",
     "resolve_url",
     "safe_url",
     "scrub",
@@ -91,29 +93,58 @@ def is_network(url: URL) -> bool:
     return url.get_backend_name() != "sqlite"
 
 
+#: query parameters of a URL whose values are secrets (libpq's ``password``, ``sslpassword``...)
+_SECRET_PARAM = re.compile(r"pass|pwd|secret|token", re.IGNORECASE)
+_HIDDEN = "sparktune-hidden-value"
+
+
+def _secret_params(url: URL) -> list[str]:
+    return [k for k in url.query if _SECRET_PARAM.search(k)]
+
+
+def render_safe(url: URL) -> str:
+    """``url`` as text with its password, and the values of query parameters that carry one
+    (``?password=...``), shown as ``***``."""
+    secret = _secret_params(url)
+    if secret:
+        url = url.set(query={**url.query, **dict.fromkeys(secret, _HIDDEN)})
+    return url.render_as_string(hide_password=True).replace(_HIDDEN, "***")
+
+
 def safe_url(url: str | os.PathLike[str] | URL | None) -> str:
     """The URL as text with any password hidden (safe for logs, errors and JSON)."""
     try:
         u = resolve_url(url)
     except Exception:  # noqa: BLE001 - an unparsable URL is shown as a placeholder
         return "<unparsable database URL>"
-    return u.render_as_string(hide_password=True)
+    return render_safe(u)
+
+
+def _secrets(url: object) -> list[str]:
+    """The secrets of ``url``: its password and the values of its secret query parameters;
+    for a URL that cannot be parsed, whatever stands where a password would."""
+    try:
+        u = resolve_url(url)  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001
+        m = re.match(r"^[^:/?#]+://[^:/?#@]*:(.*)@", os.fspath(url) if isinstance(url, (str, os.PathLike)) else "")
+        return [m.group(1)] if m and m.group(1) else []
+    found = [str(u.password)] if u.password else []
+    for key in _secret_params(u):
+        value = u.query[key]
+        found.extend(str(v) for v in (value if isinstance(value, tuple) else (value,)) if v)
+    return found
 
 
 def scrub(text: str, *urls: object) -> str:
-    """``text`` with the password of each URL (as given and percent-encoded) replaced by
-    ``***``: for messages that come from drivers and libraries, which may quote a URL."""
-    from urllib.parse import quote
+    """``text`` with the secrets of each URL (its password and secret query parameters, as
+    given and percent-encoded) replaced by ``***``: for messages that come from drivers and
+    libraries, which may quote a URL."""
+    from urllib.parse import quote, quote_plus
 
     for url in urls:
-        try:
-            password = resolve_url(url).password  # type: ignore[arg-type]
-        except Exception:  # noqa: BLE001
-            password = None
-        if not password:
-            continue
-        for form in {str(password), quote(str(password), safe="")}:
-            text = text.replace(form, "***")
+        for secret in _secrets(url):
+            for form in sorted({secret, quote(secret, safe=""), quote_plus(secret)}, key=len, reverse=True):
+                text = text.replace(form, "***")
     return text
 
 

@@ -58,19 +58,32 @@ def write_jsonl(records: Iterable[Record], fp: IO[str]) -> int:
 
 
 def parse_jsonl(
-    lines: Iterable[str], *, source: str, check: KernelCheck | None = None
+    lines: Iterable[str | bytes], *, source: str, check: KernelCheck | None = None
 ) -> tuple[list[tuple[int, Record]], list[LineError]]:
-    """Validate every line; blank lines are allowed. Returns (line number, record) pairs and
-    the errors, each with its line number."""
+    """Validate every line (text, or bytes in UTF-8); blank lines are allowed. Returns (line
+    number, record) pairs and the errors, each with its line number."""
     good: list[tuple[int, Record]] = []
     errors: list[LineError] = []
-    for lineno, text in enumerate(lines, start=1):
+    for lineno, raw in enumerate(lines, start=1):
+        if isinstance(raw, bytes):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                errors.append(LineError(source, lineno, f"not UTF-8 text: byte {raw[e.start]:#04x} at column {e.start + 1}"))
+                continue
+        else:
+            text = raw
+        if lineno == 1 and text.startswith("\ufeff"):
+            text = text[1:]
         if not text.strip():
             continue
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
             errors.append(LineError(source, lineno, f"not valid JSON: {e.msg} (column {e.colno})"))
+            continue
+        except RecursionError:
+            errors.append(LineError(source, lineno, "not valid JSON: nested too deeply"))
             continue
         try:
             rec = record_from_json(obj, source=source)
@@ -87,7 +100,7 @@ def parse_jsonl(
 
 def read_jsonl_file(path: str | Path, *, check: KernelCheck | None = None) -> tuple[list[tuple[int, Record]], list[LineError]]:
     path = Path(path)
-    with path.open(encoding="utf-8") as fp:
+    with path.open("rb") as fp:
         return parse_jsonl(fp, source=str(path), check=check)
 
 

@@ -22,20 +22,35 @@ from ..problem import DeviceInfo, Problem
 from ._jsonl import LineError, read_jsonl_file
 from ._records import Record
 
-__all__ = ["ENV_SHIPPED", "layered", "load_shipped", "rank", "shipped_dir", "shipped_files", "verified"]
+__all__ = [
+    "ENV_SHIPPED", "layered", "load_shipped", "packaged_dir", "rank", "shipped_dir", "shipped_files", "verified",
+]
 
 #: directory of shipped records (overrides the packaged one; empty: no shipped layer)
 ENV_SHIPPED = "SPARKTUNE_SHIPPED_DB"
 
 
 def shipped_dir() -> Path | None:
+    """The directory of the shipped records: ``$SPARKTUNE_SHIPPED_DB`` when set (empty: none),
+    else the one that comes with this package (see :func:`packaged_dir`)."""
     env = os.environ.get(ENV_SHIPPED)
     if env is not None:
         return Path(env) if env else None
-    here = Path(__file__).resolve().parent.parent  # the sparktune package
-    for candidate in (here / "tuning_db", here.parent / "tuning_db"):
-        if candidate.is_dir():
-            return candidate
+    return packaged_dir(Path(__file__).resolve().parent.parent)
+
+
+def packaged_dir(package: Path) -> Path | None:
+    """The shipped records of the sparktune package at ``package``: ``tuning_db/`` inside it
+    (an installed wheel carries them there), else ``tuning_db/`` beside it when the package
+    sits in a source checkout (next to ``pyproject.toml``); None otherwise. A ``tuning_db``
+    directory beside an installed package (another project's, in site-packages) is not ours."""
+    inside = package / "tuning_db"
+    if inside.is_dir():
+        return inside
+    root = package.parent
+    beside = root / "tuning_db"
+    if beside.is_dir() and (root / "pyproject.toml").is_file():
+        return beside
     return None
 
 

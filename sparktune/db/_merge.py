@@ -21,7 +21,7 @@ from sqlalchemy.engine import make_url
 from ._jsonl import LineError, read_jsonl_file
 from ._layers import rank
 from ._records import Record, RecordError, device_label, problem_key, validate_record
-from ._store import Store, open_error_text
+from ._store import RowError, Store, open_error_text
 
 __all__ = ["MergeReport", "SourceReport", "WinnerChange", "merge", "read_source"]
 
@@ -98,8 +98,8 @@ def read_source(src: str, *, check: KernelCheck | None = None) -> tuple[list[Rec
             rep = SourceReport(str(path))
             try:
                 good, errors = read_jsonl_file(path, check=check)
-            except (OSError, UnicodeDecodeError) as e:
-                rep.failed = f"cannot read: {e}"
+            except OSError as e:
+                rep.failed = f"cannot read: {e.strerror or e}"
                 return [], rep
             rep.read = len(good) + len(errors)
             rep.errors = errors
@@ -112,18 +112,23 @@ def read_source(src: str, *, check: KernelCheck | None = None) -> tuple[list[Rec
     elif "://" not in src:
         return [], SourceReport(src, failed="no such file")
     else:
-        url = make_url(src)
+        url = None
         display = ""
+    invalid: list[RowError] = []
     try:
+        if url is None:
+            url = make_url(src)
         with Store(url, create=False, readonly=True) as store:
             display = display or store.display_url
-            raw = store.records()
+            raw = store.records(errors=invalid)
     except Exception as exc:  # noqa: BLE001 - one line, no password
         from ._engine import safe_url
 
         return [], SourceReport(display or safe_url(src), failed=open_error_text(exc, src))
     good, errors = _validated(raw, display, check)
-    return good, SourceReport(display, read=len(raw), errors=errors)
+    # rows that are not records at all are invalid records of the source, like a bad line
+    errors = [LineError(display, e.row, f"record {e.uid} (row id {e.row}): {e.message}") for e in invalid] + errors
+    return good, SourceReport(display, read=len(raw) + len(invalid), errors=errors)
 
 
 def _group(r: Record) -> tuple[str, tuple[int, int], int, str]:
@@ -161,7 +166,7 @@ def merge(
     if any(s.failed for s in report.sources) or (report.errors and not skip_invalid):
         report.refused = True
         return report
-    existing = store.records()
+    existing = store.records(errors=[])  # a damaged row here is not a candidate to win
     have = {r.uid for r in existing}
     fresh: list[Record] = []
     for r in incoming:

@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy.engine import URL
 
 from ..problem import DeviceInfo
-from ._engine import cache_dir
+from ._engine import cache_dir, render_safe
 from ._records import Record, RecordError, _iso, now_utc, record_from_json, record_to_json
 
 __all__ = ["ENV_SNAPSHOT_DIR", "SNAPSHOT_FORMAT", "Snapshot", "read_snapshot", "snapshot_path", "write_snapshot"]
@@ -50,7 +50,7 @@ def snapshot_dir() -> Path:
 
 def snapshot_path(url: URL, device: DeviceInfo, build_id: str) -> Path:
     ident = "\n".join([
-        url.render_as_string(hide_password=True),
+        render_safe(url),
         device.name, f"{device.capability[0]}.{device.capability[1]}", str(device.sm_count), build_id,
     ])
     digest = hashlib.sha1(ident.encode()).hexdigest()[:16]

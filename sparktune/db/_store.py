@@ -6,6 +6,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from datetime import timezone
 from typing import Any, TypeVar
 
@@ -16,10 +17,10 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from ..problem import DeviceInfo, Problem
 from ._engine import make_engine, resolve_url, safe_url, sqlite_file, write_connection
 from ._models import Measurement
-from ._records import Record
+from ._records import Record, RecordError
 from ._schema import SCHEMA_VERSION, ensure_schema, stored_version
 
-__all__ = ["Store", "StoreMissingError"]
+__all__ = ["RowError", "Store", "StoreMissingError"]
 
 T = TypeVar("T")
 
@@ -33,6 +34,18 @@ READABLE_FROM = 2
 
 class StoreMissingError(FileNotFoundError):
     """The store does not exist and was not to be created."""
+
+
+@dataclass(frozen=True)
+class RowError:
+    """A stored row that is not a valid record (written by hand, or damaged)."""
+
+    row: int
+    uid: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"row id {self.row} (uid {self.uid}): {self.message}"
 
 
 def _is_transient(exc: BaseException) -> bool:
@@ -243,9 +256,14 @@ class Store:
         build_id: str | None = None,
         status: str | None = None,
         where: dict[str, Any] | None = None,
+        errors: list[RowError] | None = None,
     ) -> list[Record]:
         """Stored records, oldest first. ``device`` matches the GPU model (name, compute
-        capability, SM count), not the driver; ``where`` maps column names to values."""
+        capability, SM count), not the driver; ``where`` maps column names to values.
+
+        A row that is not a valid record (e.g. heads that do not divide, an unknown status)
+        raises :class:`RecordError` naming its row; with ``errors``, such rows are left out and
+        reported there instead, and the valid ones are returned."""
         if self.version is None:
             return []
         stmt = sa.select(Measurement.__table__)
@@ -269,11 +287,24 @@ class Store:
             stmt = stmt.where(Measurement.__table__.c[col] == value)
         stmt = stmt.order_by(Measurement.measured_at, Measurement.id)
 
-        def run() -> list[Record]:
+        def run() -> tuple[list[Record], list[RowError]]:
+            good: list[Record] = []
+            bad: list[RowError] = []
             with self.engine.connect() as conn, conn.begin():
-                return [_to_record(row, self.display_url) for row in conn.execute(stmt)]
+                for row in conn.execute(stmt):
+                    try:
+                        good.append(_to_record(row, self.display_url))
+                    except (ValueError, TypeError, AttributeError) as exc:
+                        bad.append(RowError(row.id, str(row.uid), f"{type(exc).__name__}: {exc}"))
+            return good, bad
 
-        return _with_retry(run, self.timeout)
+        good, bad = _with_retry(run, self.timeout)
+        if bad:
+            if errors is None:
+                more = f" (and {len(bad) - 1} more invalid row(s))" if len(bad) > 1 else ""
+                raise RecordError("", f"{self.display_url}: {bad[0]}{more}")
+            errors.extend(bad)
+        return good
 
     def count(self) -> int:
         if self.version is None:

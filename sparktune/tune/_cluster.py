@@ -146,7 +146,9 @@ class _Heartbeat:
                     self.lost.set()
                     return
             except Exception as exc:  # noqa: BLE001 - the database is away: try again
-                log.debug("sparktune: lease heartbeat failed: %s", exc)
+                from ..db import open_error_text
+
+                log.debug("sparktune: lease heartbeat failed: %s", open_error_text(exc, self.board.store.url))
 
 
 class Worker:

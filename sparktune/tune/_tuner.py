@@ -373,9 +373,18 @@ class Tuner:
         self.trials = trials if trials is not None else DEFAULT_TRIALS
         if self.trials < 1:
             raise ValueError(f"trials must be at least 1, got {self.trials}")
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
         self.timeout = timeout
-        self.storage = _optuna_storage(storage) if storage is not None and not _is_optuna_storage(storage) else storage
         self.backends = list(backends) if backends is not None else None
+        if self.backends is not None:
+            known = _registered()
+            unknown = [b for b in self.backends if b not in known]
+            if unknown:
+                raise ValueError(
+                    f"unknown backend {', '.join(map(repr, unknown))} to tune; registered backends: {', '.join(known)}"
+                )
+        self.storage = _optuna_storage(storage) if storage is not None and not _is_optuna_storage(storage) else storage
         self.exclude = list(exclude)
         self.seed = seed
         self.baseline = baseline
@@ -464,7 +473,10 @@ class Tuner:
                 torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - a failing candidate is a result
             return Measurement(cand, "failed", message=f"while checking: {_short(exc)}")
-        result = workload.check(outs)
+        try:
+            result = workload.check(outs)
+        except Exception as exc:  # noqa: BLE001 - outputs the check cannot even compare
+            return Measurement(cand, "failed", message=f"while checking its outputs: {_short(exc)}")
         if not result.ok:
             return Measurement(cand, "wrong", error=result.error, error_limit=result.limit, message=result.message)
         del outs
