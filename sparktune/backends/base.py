@@ -5,14 +5,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
 
     from ..problem import DeviceInfo, Problem
 
-__all__ = ["Backend", "Candidate"]
+__all__ = ["OPTIONAL_HOOKS", "Backend", "Candidate", "ForwardAlloc", "ForwardAutograd", "Warmup"]
+
+#: methods a backend may define beyond :class:`Backend`'s; they are looked up on the backend's
+#: class (``getattr(type(backend), name, None)``), so :class:`Backend` must not define them
+OPTIONAL_HOOKS = ("forward_alloc", "forward_autograd", "warmup")
 
 
 @dataclass(frozen=True)
@@ -30,11 +34,79 @@ class Candidate:
         return f"{self.backend}:{self.config}"
 
 
+@runtime_checkable
+class ForwardAlloc(Protocol):
+    """The optional ``forward_alloc`` hook of a backend (see :class:`Backend`)."""
+
+    def forward_alloc(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        config: str,
+        causal: bool,
+        scale: float,
+        need_lse: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+@runtime_checkable
+class ForwardAutograd(Protocol):
+    """The optional ``forward_autograd`` hook of a backend (see :class:`Backend`)."""
+
+    def forward_autograd(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        config: str,
+        causal: bool,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class Warmup(Protocol):
+    """The optional ``warmup`` hook of a backend (see :class:`Backend`)."""
+
+    def warmup(self, problem: Problem, configs: Any = None, *, processes: int = 1) -> Any: ...
+
+
 class Backend(ABC):
     """A provider of attention kernels.
 
     Tensors reach a backend as (B, H, N, D) views with any strides whose last dimension is
     contiguous; ``out`` is preallocated by the caller in the same view form.
+
+    Required: :meth:`configs`, :meth:`not_supported_reasons` and :meth:`forward`;
+    :meth:`backward` for backends that differentiate. Optional hooks, which this class does
+    not define (a backend that has one defines it on its class; see :data:`OPTIONAL_HOOKS`):
+
+    ``forward_alloc(q, k, v, *, config, causal, scale, need_lse=True) -> (out, lse)``
+        :meth:`forward` writing to an output the backend allocates itself, for kernels that
+        make their own output anyway (PyTorch's SDPA): ``sparktune.attention()`` then uses
+        ``out`` as it is instead of copying it into a buffer of its own. ``out`` has q's
+        (B, Hq, Nq, D) shape and dtype with any strides (the caller makes it contiguous when
+        it is not); ``lse`` is as :meth:`forward` returns it (None allowed when ``need_lse``
+        is False). It must compute exactly what :meth:`forward` computes for the same config,
+        and it is called with autograd enabled as well: it must not record a graph.
+        Backends without it are called through :meth:`forward`. (:class:`ForwardAlloc`)
+
+    ``forward_autograd(q, k, v, *, config, causal, scale) -> out``
+        The forward recorded by PyTorch's autograd, whose backward is the backend's own from
+        what its forward saved (PyTorch's SDPA). ``sparktune.attention()`` uses it for a call
+        that needs gradients when the backward would run on the same backend (forced, or
+        chosen by dispatch for the backward problem) and no log-sum-exp is asked for; the
+        backward then runs no second forward. ``out`` has q's (B, Hq, Nq, D) shape and dtype
+        with any strides, and must equal :meth:`forward`'s. (:class:`ForwardAutograd`)
+
+    ``warmup(problem, configs=None, *, processes=1)``
+        Compile ``configs`` for ``problem`` ahead of time (backends that compile on first use);
+        the tuner calls it before a study with the candidates it will measure, and ignores
+        its result and its errors (a config that does not compile fails in its trial).
+        (:class:`Warmup`)
     """
 
     #: registry name, e.g. "spark", "triton", "torch", "reference"
