@@ -120,22 +120,43 @@ class DeviceInfo(_CachedHash):
 
     @classmethod
     def from_torch(cls, device: Any = None) -> DeviceInfo:
+        """The fingerprint of a CUDA device (default: the current one)."""
         import torch
 
         index = torch.device(device if device is not None else "cuda").index
         if index is None:
             index = torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
-        driver = ""
-        try:  # the driver version is informative only
-            driver = str(torch.cuda.driver_version()) if hasattr(torch.cuda, "driver_version") else ""
-        except Exception:  # noqa: BLE001
-            driver = ""
         return cls(
             name=props.name,
             capability=(props.major, props.minor),
             sm_count=props.multi_processor_count,
-            driver=driver,
+            driver=_driver_version(),
             cuda=str(torch.version.cuda or ""),
             extra={"index": index},
         )
+
+
+@functools.lru_cache(maxsize=1)
+def _driver_version() -> str:
+    """The NVIDIA driver's version ("580.159.04") from NVML where the nvidia-ml-py package is
+    installed, else the CUDA version the driver supports as PyTorch reads it ("cuda 13.0"),
+    else "". Informative only: records of other driver versions still apply."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:  # noqa: BLE001 - no NVML: fall back below
+        pass
+    try:
+        import torch
+
+        v = int(torch._C._cuda_getDriverVersion())
+        return f"cuda {v // 1000}.{v % 1000 // 10}" if v > 0 else ""
+    except Exception:  # noqa: BLE001
+        return ""
