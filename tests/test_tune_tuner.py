@@ -163,7 +163,8 @@ def test_backends_that_compile_are_warmed_up_first(store, monkeypatch):
     monkeypatch.setattr(store.backend, "warmup", lambda p, configs, processes: seen.append((p, list(configs))), raising=False)
     p = problem(**SMALL)
     _tuner(store).tune(p)
-    assert seen == [(p, ["fast", "medium", "slow", "long", "wrong", "crash", "d64only"])]
+    # every candidate, the backend's own default ("medium") first
+    assert seen == [(p, ["medium", "fast", "slow", "long", "wrong", "crash", "d64only"])]
 
 
 def test_interrupted_study_keeps_what_was_measured(store):
@@ -180,3 +181,21 @@ def test_interrupted_study_keeps_what_was_measured(store):
     with pytest.raises(KeyboardInterrupt):
         tuner.tune(p)
     assert sorted(r.config for r in store.records(problem=p)) == sorted(lb.split(":")[1] for lb in seen[:2])
+
+
+def test_every_backends_default_is_measured_before_tpe_chooses(store):
+    """With a budget smaller than the space, the first trials are the defaults of the backends
+    (here the one test backend's), whatever TPE would propose."""
+    p = problem(**SMALL)
+    seen = []
+
+    def cost(candidate, prob):
+        seen.append(candidate.config)
+        return known_cost(candidate, prob)
+
+    tuner = Tuner(device=DEVICE, torch_device="cpu", timer=CostTimer(cost), store=store,
+                  backends=["knowncost"], trials=3)
+    order, mode, _ = tuner.plan(p)
+    assert mode == "tpe" and order[0].config == "medium"
+    tuner.tune(p)
+    assert seen[0] == "medium"

@@ -1,8 +1,8 @@
 """The tuner: one Optuna study per problem over the candidates that can run it.
 
 Candidates are filtered by ``not_supported_reasons`` before Optuna sees them. The heuristic
-default is enqueued first. When the space fits the trial budget every candidate is enqueued
-(exhaustive); otherwise TPE chooses after the default. Each trial checks the candidate against
+default is enqueued first, then every backend's own default. When the space fits the trial
+budget every candidate is enqueued (exhaustive); otherwise TPE chooses after the defaults. Each trial checks the candidate against
 the reference first (a wrong kernel is pruned, its error recorded), then times it; a candidate
 that raises is recorded as failed and the study goes on. Every measured candidate is stored.
 
@@ -404,18 +404,36 @@ class Tuner:
         from ..dispatch import NoKernelError, heuristic_default
 
         cands, _ = self.candidates(problem)
-        try:
-            default = heuristic_default(problem, self.device).candidate
-        except NoKernelError:
-            default = None
-        if default in cands:
-            cands.remove(default)
-            cands.insert(0, default)
+        seeds = self.seeds(problem, cands)
+        cands = seeds + [c for c in cands if c not in seeds]
         if not cands:
             return [], "none", 0
         if len(cands) <= self.trials:
             return cands, "exhaustive", len(cands)
         return cands, "tpe", self.trials
+
+    def seeds(self, problem: Problem, cands: list[Candidate]) -> list[Candidate]:
+        """The candidates measured first, before TPE chooses (of ``cands``): the heuristic
+        default, then every other backend's own default for the problem, so that even a small
+        budget measures the best guess of each backend."""
+        from ..dispatch import NoKernelError, heuristic_default
+
+        out: list[Candidate] = []
+        try:
+            default = heuristic_default(problem, self.device).candidate
+        except NoKernelError:
+            default = None
+        if default in cands:
+            out.append(default)
+        for name, backend in _registered().items():
+            try:
+                config = backend.default_config(problem, self.device)
+            except Exception:  # noqa: BLE001 - a backend without a default adds none
+                continue
+            c = Candidate(name, config) if config is not None else None
+            if c is not None and c in cands and c not in out:
+                out.append(c)
+        return out
 
     @staticmethod
     def space_id(cands: Iterable[Candidate]) -> str:
@@ -548,7 +566,8 @@ class Tuner:
             if self.progress is not None:
                 for i, m in enumerate(result.measurements, 1):
                     self.progress(result, m, i, planned)
-        for c in order if mode == "exhaustive" else order[:1]:
+        first = order if mode == "exhaustive" else order[: max(1, len(self.seeds(problem, order)))]
+        for c in first:
             if c.label not in measured and c.label not in queued:
                 study.enqueue_trial({"candidate": c.label})
         if mode == "exhaustive":
