@@ -199,3 +199,20 @@ def test_every_backends_default_is_measured_before_tpe_chooses(store):
     assert mode == "tpe" and order[0].config == "medium"
     tuner.tune(p)
     assert seen[0] == "medium"
+
+
+def test_small_backends_are_measured_entirely_before_tpe(store):
+    """A backend with at most SMALL_BACKEND candidates (PyTorch's SDPA has four) is measured
+    entirely among the first trials, even when the budget is smaller than the space."""
+    from sparktune.backends.base import Candidate
+    from sparktune.tune._tuner import SMALL_BACKEND
+
+    p = problem(**SMALL)
+    tuner = Tuner(device=DEVICE, torch_device="cpu", timer=CostTimer(known_cost), store=store,
+                  backends=["knowncost"], trials=3)
+    order, _, _ = tuner.plan(p)
+    small = [Candidate("tiny", f"c{i}") for i in range(SMALL_BACKEND)]
+    big = [Candidate("big", f"c{i}") for i in range(SMALL_BACKEND + 1)]
+    seeds = tuner.seeds(p, order + big + small)
+    assert all(c in seeds for c in small)
+    assert not any(c in seeds for c in big)

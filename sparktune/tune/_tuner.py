@@ -1,8 +1,9 @@
 """The tuner: one Optuna study per problem over the candidates that can run it.
 
 Candidates are filtered by ``not_supported_reasons`` before Optuna sees them. The heuristic
-default is enqueued first, then every backend's own default. When the space fits the trial
-budget every candidate is enqueued (exhaustive); otherwise TPE chooses after the defaults. Each trial checks the candidate against
+default is enqueued first, then every backend's own default and every candidate of a backend
+with at most ``SMALL_BACKEND`` of them. When the space fits the trial budget every candidate is
+enqueued (exhaustive); otherwise TPE chooses after those. Each trial checks the candidate against
 the reference first (a wrong kernel is pruned, its error recorded), then times it; a candidate
 that raises is recorded as failed and the study goes on. Every measured candidate is stored.
 
@@ -51,6 +52,8 @@ log = logging.getLogger(__name__)
 DEFAULT_TRIALS = 100
 #: the pseudo-candidate a timer is given for PyTorch's default SDPA
 BASELINE = Candidate("sdpa", "default")
+#: backends with at most this many candidates for a problem are measured entirely, first
+SMALL_BACKEND = 4
 #: at most this many trials are asked per measured candidate (repeats are not measured again)
 _ASKS_PER_TRIAL = 3
 #: messages stored for failed candidates are cut to this length
@@ -414,8 +417,9 @@ class Tuner:
 
     def seeds(self, problem: Problem, cands: list[Candidate]) -> list[Candidate]:
         """The candidates measured first, before TPE chooses (of ``cands``): the heuristic
-        default, then every other backend's own default for the problem, so that even a small
-        budget measures the best guess of each backend."""
+        default, then every other backend's own default for the problem, then every candidate
+        of the backends that offer at most ``SMALL_BACKEND`` of them (PyTorch's SDPA backends),
+        so that even a small budget measures each backend's best guess and the cheap few."""
         from ..dispatch import NoKernelError, heuristic_default
 
         out: list[Candidate] = []
@@ -433,6 +437,12 @@ class Tuner:
             c = Candidate(name, config) if config is not None else None
             if c is not None and c in cands and c not in out:
                 out.append(c)
+        per_backend: dict[str, list[Candidate]] = {}
+        for c in cands:
+            per_backend.setdefault(c.backend, []).append(c)
+        for group in per_backend.values():
+            if len(group) <= SMALL_BACKEND:
+                out += [c for c in group if c not in out]
         return out
 
     @staticmethod
