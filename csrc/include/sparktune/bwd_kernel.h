@@ -106,10 +106,12 @@ CUTE_DEVICE void add_dq(float* dq, Acc const& acc, Coord const& coord, int rows_
     for (int i = 0; i < size(acc); i += 2) {
       const int r = get<0>(coord(i)), c = get<1>(coord(i));
       if (get<0>(coord(i + 1)) == r && get<1>(coord(i + 1)) == c + 1 && c % 2 == 0) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         if (r < rows_left) {
           atomicAdd(reinterpret_cast<float2*>(dq + r * kHeadDim + c),
                     make_float2(static_cast<float>(acc(i)), static_cast<float>(acc(i + 1))));
         }
+#endif
       } else {
         CUTE_UNROLL
         for (int j = i; j < i + 2; ++j) {
