@@ -62,7 +62,8 @@ def _cutlass_include() -> str | None:
 def test_compile_time_rules_exclude_what_cannot_fit(tmp_path):
     """The generator asks the C++ rules: Volta configurations over 96 KB and bad warp tilings
     are excluded with a reason, valid ones get a source file."""
-    pats = "fwd_sm70_f16_d128_m128n64_w4x1_acc32_psmem,fwd_sm70_f16_d64_m64n64_w2x1_acc32_psmem,fwd_sm80_f16_d32_m64n64_w8x1_acc32_preg"
+    pats = ("fwd_sm70_f16_d128_m128n64_w4x1_acc32_psmem,fwd_sm70_f16_d64_m64n64_w2x2_acc32_psmem,"
+            "fwd_sm70_f16_d128_m64n64_w2x1_acc32_psmem,fwd_sm80_f16_d32_m64n64_w8x1_acc32_preg")
     subprocess.run(
         [sys.executable, str(ROOT / "csrc" / "gen_kernels.py"), "--out", str(tmp_path), "--nvcc", "nvcc",
          "--include", _cutlass_include(), "--include", str(ROOT / "csrc" / "include"), "--filter", pats],
@@ -71,8 +72,10 @@ def test_compile_time_rules_exclude_what_cannot_fit(tmp_path):
     rows = {r.split("\t")[0]: r.split("\t") for r in (tmp_path / "space.tsv").read_text().splitlines()}
     big = rows["fwd_sm70_f16_d128_m128n64_w4x1_acc32_psmem"]
     assert big[1] == "0" and "96 KB" in big[4] and int(big[2]) > 96 * 1024
-    ok = rows["fwd_sm70_f16_d64_m64n64_w2x1_acc32_psmem"]
-    assert ok[1] == "1" and (tmp_path / "fwd_sm70_f16_d64_m64n64_w2x1_acc32_psmem.cu").exists()
+    ok = rows["fwd_sm70_f16_d64_m64n64_w2x2_acc32_psmem"]
+    assert ok[1] == "1" and (tmp_path / "fwd_sm70_f16_d64_m64n64_w2x2_acc32_psmem.cu").exists()
+    spills = rows["fwd_sm70_f16_d128_m64n64_w2x1_acc32_psmem"]  # Volta register rule
+    assert spills[1] == "0" and "register budget" in spills[4]
     bad = rows["fwd_sm80_f16_d32_m64n64_w8x1_acc32_preg"]
     assert bad[1] == "0" and "warp tile" in bad[4]
     reg = (tmp_path / "register_all.cu").read_text()
@@ -86,7 +89,7 @@ def test_compile_time_rules_exclude_what_cannot_fit(tmp_path):
 def test_one_kernel_of_each_atom_compiles_for_sm80(tmp_path):
     """A template that no longer compiles must turn CI red: build one m16n8k16 and one m8n8k4
     kernel for sm_80 (in parallel) and require no register spills."""
-    names = ["fwd_sm80_f16_d64_m128n64_w4x1_acc32_preg", "fwd_sm70_f16_d64_m64n64_w2x1_acc32_psmem"]
+    names = ["fwd_sm80_f16_d64_m128n64_w4x1_acc32_preg", "fwd_sm70_f16_d64_m64n64_w2x2_acc32_psmem"]
     subprocess.run(
         [sys.executable, str(ROOT / "csrc" / "gen_kernels.py"), "--out", str(tmp_path), "--nvcc", "nvcc",
          "--include", _cutlass_include(), "--include", str(ROOT / "csrc" / "include"), "--filter", ",".join(names)],

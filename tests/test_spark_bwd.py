@@ -60,7 +60,7 @@ def test_generator_emits_backward_kernels_with_their_template(tmp_path):
         assert '#include "sparktune/bwd_launch.h"' in src and "register_bwd<BwdConfig<" in src
     fwd = (tmp_path / "fwd_sm80_f16_d64_m128n64_w4x1_acc32_preg.cu").read_text()
     assert "register_fwd<FwdConfig<" in fwd
-    volta = rows["bwd_sm70_f16_d128_m64n64_w2x1_acc32"]
+    volta = rows["bwd_sm70_f16_d128_m64n32_w2x4_acc32"]
     assert int(volta[2]) <= 96 * 1024
 
 

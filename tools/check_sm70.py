@@ -17,7 +17,7 @@ any spill, more than 96 KB of shared memory (static + dynamic) or no ``mma.m8n8k
 Exit status: 0 all passed, 1 some failed, 2 the check could not run (tools missing).
 
 Results are cached by a hash of everything that decides them (the generated source, the
-kernel headers, the CuTe version, the tool versions and flags), so a rerun is fast.
+project headers it includes, the CuTe version, the tool versions and flags), so a rerun is fast.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -245,13 +246,17 @@ class KernelResult:
     reasons: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     occupancy: dict | None = None
+    reg_estimate: int | None = None  # the Volta register rule of the C++ config, when it has one
+    reg_limit: int | None = None
 
 
 def judge(r: KernelResult) -> KernelResult:
     """Decide PASS/FAIL with every reason, and add notes that do not fail a kernel."""
     reasons, notes = [], []
     if not r.ok_build:
-        reasons.append(f"build error: {r.error.strip().splitlines()[-1] if r.error.strip() else '?'}")
+        lines = [ln.strip() for ln in r.error.strip().splitlines() if ln.strip()]
+        first = next((ln for ln in lines if re.search(r"\berror\b", ln)), lines[-1] if lines else "?")
+        reasons.append("build error: " + re.sub(r"/\S*/sparktune-sm70-gen-[^/]+/", "", first))
     else:
         spill = (r.spill_stores or 0) + (r.spill_loads or 0)
         if spill:
@@ -268,6 +273,10 @@ def judge(r: KernelResult) -> KernelResult:
                 notes.append(f"HMMA.884 {r.sass_hmma} != {steps} steps x {r.ptx_mma} mma")
         if r.sass_hmma == 0 and r.ptx_mma:
             reasons.append("no HMMA.884 in the SASS")
+        if spill and r.reg_estimate is not None and r.reg_limit is not None \
+                and r.reg_estimate <= r.reg_limit:
+            notes.append(f"the register rule estimated {r.reg_estimate} <= {r.reg_limit} "
+                         "registers: recalibrate it")
         if r.stack_frame and not spill:
             what = f"calls {len(r.calls)} function(s) not inlined" if r.calls else "local arrays"
             reasons.append(f"local memory: {r.stack_frame} B stack frame ({what})")
@@ -515,6 +524,49 @@ def generate(csrc: Path, nvcc: Path, includes: list[Path], patterns: str | None,
     return [sources[n] for n in names], table
 
 
+def rule_estimates(csrc: Path, nvcc: Path, includes: list[Path], names: list[str],
+                   out: Path) -> dict[str, tuple[int, int]]:
+    """Per kernel name, the Volta register rule's (estimate, limit): ``kRegEstimate`` and
+    ``kRegLimit`` of the configuration in ``fwd_config.h`` / ``bwd_config.h``, printed by a
+    host program built from the same headers, so that the report shows the rule next to what
+    ptxas did. Empty when the headers have no such rule (an older ``--rev``) or it fails to build.
+    """
+    spec = importlib.util.spec_from_file_location("sm70_kernel_space", csrc / "kernel_space.py")
+    if spec is None or spec.loader is None:
+        return {}
+    space = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = space  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(space)
+        wanted = set(names)
+        entries = [e for e in space.full_space() if e.name in wanted]
+    except Exception:  # noqa: BLE001 - an unreadable space only drops the estimates column
+        return {}
+    finally:
+        sys.modules.pop(spec.name, None)
+    if not entries:
+        return {}
+    lines = ["#include <cstdio>", *[f'#include "{h}"' for h in sorted({e.rules_header for e in entries})],
+             "using namespace sparktune;",
+             "template <class C> void row(const char* n) {",
+             '  std::printf("%s\\t%d\\t%d\\n", n, C::kRegEstimate, C::kRegLimit);',
+             "}", "int main() {", *[f'  row<{e.config_type}>("{e.name}");' for e in entries],
+             "  return 0;", "}"]
+    out.mkdir(parents=True, exist_ok=True)
+    src, exe = out / "reg_probe.cu", out / "reg_probe"
+    src.write_text("\n".join(lines) + "\n")
+    cmd = [str(nvcc), "-std=c++17", "-O0", "-o", str(exe), str(src), *[f"-I{i}" for i in includes]]
+    if subprocess.run(cmd, capture_output=True, text=True).returncode != 0:
+        return {}
+    res = subprocess.run([str(exe)], capture_output=True, text=True)
+    table = {}
+    for line in res.stdout.splitlines():
+        parts = line.split("\t")
+        if len(parts) == 3:
+            table[parts[0]] = (int(parts[1]), int(parts[2]))
+    return table
+
+
 def git_head() -> str:
     """The checkout's commit, with "+dirty" when csrc/ differs from it."""
     try:
@@ -533,6 +585,41 @@ def header_digest(include_dir: Path) -> str:
         if p.is_file():
             h.update(str(p.relative_to(include_dir)).encode())
             h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+_QUOTED_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
+
+
+def included_headers(src: Path, include_dir: Path) -> list[Path]:
+    """The headers under ``include_dir`` that ``src`` includes with ``#include "..."``, directly
+    or through one another (each name looked up next to the including file, then in
+    ``include_dir``). Conditional includes count too: a superset only costs cache hits."""
+    root = include_dir.resolve()
+    found: dict[Path, None] = {}
+    todo = [src.resolve()]
+    while todo:
+        f = todo.pop()
+        for name in _QUOTED_INCLUDE.findall(f.read_text(errors="replace")):
+            for base in (f.parent, root):
+                c = (base / name).resolve()
+                if c.is_file():
+                    if root in c.parents and c not in found:
+                        found[c] = None
+                        todo.append(c)
+                    break
+    return sorted(found)
+
+
+def kernel_headers_digest(src: Path, include_dir: Path) -> str:
+    """A hash of the project headers one kernel source is built from (names and contents), so
+    that an edit to a header the kernel does not include keeps its cached result."""
+    root = include_dir.resolve()
+    h = hashlib.sha256()
+    for p in included_headers(src, include_dir):
+        h.update(str(p.relative_to(root)).encode())
+        h.update(b"\0")
+        h.update(p.read_bytes())
     return h.hexdigest()
 
 
@@ -623,13 +710,14 @@ def from_cache(name: str, key_file: Path) -> KernelResult:
 
 
 def run_check(sources: list[Path], table: dict, tc: Toolchain, jobs: int, cache: Path | None,
-              keep: Path | None, progress=None) -> list[KernelResult]:
-    headers = header_digest(tc.includes[-1])
+              keep: Path | None, progress=None,
+              estimates: dict[str, tuple[int, int]] | None = None) -> list[KernelResult]:
     results: dict[str, KernelResult] = {}
     todo: list[tuple[Path, Path | None]] = []
     for src in sources:
         key_file = None
         if cache is not None:
+            headers = kernel_headers_digest(src, tc.includes[-1])
             key_file = cache / "sm70" / f"{cache_key(src, tc, headers)}.json"
             if keep is None and key_file.is_file():
                 results[src.stem] = from_cache(src.stem, key_file)
@@ -665,6 +753,7 @@ def run_check(sources: list[Path], table: dict, tc: Toolchain, jobs: int, cache:
         r = results[src.stem]
         valid, smem, threads, _ = table.get(r.name, (True, None, None, ""))
         r.dynamic_smem, r.threads = smem, threads
+        r.reg_estimate, r.reg_limit = (estimates or {}).get(r.name, (None, None))
         out.append(judge(r))
     return out
 
@@ -725,12 +814,15 @@ def main(argv: list[str] | None = None) -> int:
         headers = header_digest(snapshot)
         excluded = sorted(n for n, (valid, *_rest) in table.items()
                           if not valid and fnmatch.fnmatchcase(n, SM70_NAME))
+        estimates = rule_estimates(Path(gen) / "csrc", tc.nvcc, tc.includes,
+                                   [n for n in table if fnmatch.fnmatchcase(n, SM70_NAME)],
+                                   Path(gen) / "reg_probe")
         progress(f"check_sm70: csrc of {source_rev}: {len(sources)} Volta kernels to check, {len(excluded)} excluded by "
                  f"the rules; ptxas {tc.ptxas} (PTX ISA {tc.isa}); nvdisasm "
                  f"{tc.nvdisasm or 'n/a: ' + tc.nvdisasm_why}")
         keep = Path(args.keep).resolve() if args.keep else None
         results = run_check(sources, table, tc, args.jobs, None if args.no_cache else cache,
-                            keep, progress)
+                            keep, progress, estimates)
 
     if tc.nvdisasm is None:
         print(f"note: HMMA.884 counts are n/a: no CUDA 12.x nvdisasm ({tc.nvdisasm_why})")
@@ -757,7 +849,9 @@ def main(argv: list[str] | None = None) -> int:
                           "ptx_isa": tc.isa, "cutlass": cutlass_version()},
             "source": {"git_head": source_rev, "kernel_headers_sha256": headers},
             "kernels": [asdict(r) | {"params": parse_kernel_name(r.name)} for r in results],
-            "excluded": [{"name": n, "reason": table[n][3]} for n in excluded],
+            "excluded": [{"name": n, "reason": table[n][3],
+                          "reg_estimate": estimates.get(n, (None, None))[0],
+                          "reg_limit": estimates.get(n, (None, None))[1]} for n in excluded],
             "passed": n_pass, "failed": n_fail,
         }
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")

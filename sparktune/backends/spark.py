@@ -71,15 +71,17 @@ class SparkBackend(Backend):
     # Backward defaults per (family, head_dim): (block_m, block_n, warps_m, warps_n) of the bwd
     # family. Family 80, head dims 64 and 128: the fastest of the compiled configurations at every
     # shape of the 16k-token sweep on an H200 (bench/spark_bwd.py --all-bwd); head dim 32 by
-    # register budget (dK and dV stay in registers for a whole key block). The tuner replaces
+    # register budget (dK and dV stay in registers for a whole key block). The Volta entries are
+    # a model, not a measurement: the eight-warp configurations of the Volta backward space that
+    # fit its register rule and pass tools/check_sm70.py (docs/VOLTA.md). The tuner replaces
     # them per shape.
     _BWD_DEFAULTS = {
         (80, 32): (64, 128, 4, 2),
         (80, 64): (128, 128, 2, 4),
         (80, 128): (64, 128, 2, 4),
-        (70, 32): (64, 64, 2, 1),
-        (70, 64): (64, 64, 2, 1),
-        (70, 128): (64, 64, 2, 1),
+        (70, 32): (64, 64, 2, 4),
+        (70, 64): (64, 64, 2, 4),
+        (70, 128): (64, 32, 2, 4),
     }
 
     def __init__(self) -> None:

@@ -54,12 +54,6 @@ def kv_bytes_per_fma(p: dict) -> float:
     return 2.0 / p["block_m"]
 
 
-def acc_elems_per_thread(p: dict) -> int:
-    """Accumulator elements (S and O) each thread holds: the register floor of a configuration."""
-    rows = p["block_m"] // p["warps_m"]
-    return rows * (p["block_n"] + p["head_dim"]) // p["warps_n"] // 32
-
-
 def config_key(p: dict) -> tuple:
     return (p["block_m"], p["block_n"], p["warps_m"], p["warps_n"])
 
@@ -80,8 +74,14 @@ def rank(kernels: list[dict], head_dim: int) -> list[dict]:
     return sorted(cands, key=score)
 
 
+def rule_cell(k: dict) -> str:
+    """The Volta register rule's estimate and limit for a kernel ("?" when the report has none)."""
+    est, limit = k.get("reg_estimate"), k.get("reg_limit")
+    return "?" if est is None or limit is None else f"{est} / {limit}"
+
+
 def report_table(rep: dict) -> list[str]:
-    out = ["| kernel | acc elems/thread | regs | spill st/ld | stack | smem static | smem dyn | "
+    out = ["| kernel | regs (rule) | regs | spill st/ld | stack | smem static | smem dyn | "
            "mma.m8n8k4 (PTX) | HMMA.884 (SASS) | blocks/SM | occupancy | limited by | result |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for k in rep["kernels"]:
@@ -89,7 +89,7 @@ def report_table(rep: dict) -> list[str]:
         res = "PASS" if k["passed"] else "FAIL: " + "; ".join(k["reasons"])
         hmma = "n/a" if k["sass_hmma"] is None else k["sass_hmma"]
         out.append(
-            f"| `{k['name']}` | {acc_elems_per_thread(k['params']) if k['params'] else '?'} | "
+            f"| `{k['name']}` | {rule_cell(k)} | "
             f"{k['registers']} | {k['spill_stores']}/{k['spill_loads']} | {k['stack_frame']} | "
             f"{k['static_smem']} | {k['dynamic_smem']} | {k['ptx_mma']} | {hmma} | "
             f"{occ.get('blocks_per_sm', '?')} | {occ.get('occupancy', 0):.1%} | "
@@ -143,12 +143,16 @@ def render(rep: dict) -> str:
              f"**{n_pass} passed, {n_fail} failed**; {len(rep.get('excluded', []))} declared "
              "configurations excluded by the C++ rules.", ""]
     lines += report_table(rep) + [""]
-    reasons: dict[str, int] = {}
+    reasons: dict[str, list[dict]] = {}
     for e in rep.get("excluded", []):
-        reasons[e["reason"]] = reasons.get(e["reason"], 0) + 1
+        reasons.setdefault(e["reason"], []).append(e)
     if reasons:
         lines += ["Excluded by the rules (not compiled):", ""]
-        lines += [f"- {n}: {why}" for why, n in sorted(reasons.items())] + [""]
+        for why, es in sorted(reasons.items()):
+            lines.append(f"- {len(es)}: {why}")
+            if "register budget" in why:
+                lines += [f"  - `{e['name']}`: {rule_cell(e)}" for e in es]
+        lines.append("")
     failed: dict[str, list[str]] = {}
     for k in rep["kernels"]:
         for why in k["reasons"]:

@@ -78,6 +78,37 @@ struct BwdConfig {
   static constexpr int kSmemRowStats = 2 * kBlockM * 4;  // lse (base 2) and D per query row
   static constexpr int kSmemBytes = kSmemKV + kSmemQdO + kSmemPdS + kSmemRowStats;
 
+  // ---- Volta register budget (family 70) ----
+  // A thread has at most 255 registers (under the kernel's launch bounds also at most 64K /
+  // threads); past that ptxas spills. Estimate per thread, in 32-bit registers, calibrated on
+  // the sm_70 ptxas reports of Volta backward configurations (tools/check_sm70.py,
+  // docs/VOLTA.md):
+  //  - dK and dV, fp32 and held for the whole walk: 2 x block_n x head_dim elements over the
+  //    block's threads;
+  //  - plus the larger of the two phases of a step: S and dP (2 x block_m x block_n elements),
+  //    or dQ (block_m x head_dim) together with the next row block's Q and dO, which on Volta
+  //    (no cp.async) pass through registers on their way to shared memory (2 x block_m x
+  //    head_dim fp16 elements, two per register);
+  //  - counted as fp32 with either accumulation (the step converts S, dP, the dK/dV partials
+  //    and dQ to fp32), and with fp16 accumulation also the fp16 partial of one dK/dV product
+  //    (block_n x head_dim elements, two per register);
+  //  - kVoltaRegOverhead for the rest: the operand fragments of the k-slices in flight,
+  //    addresses, the row statistics and the loop state.
+  // With it, every estimate up to 255 compiled without a spill and the smallest estimate that
+  // spilled was 263 (head dim 128, 64 x 32, eight warps, fp16 accumulation: 8 B).
+  static constexpr int kVoltaRegOverhead = 159;
+  static constexpr int kAccRegsKV = 2 * kBlockN * kHeadDim / kThreads;
+  static constexpr int kAccRegsSdP = 2 * kBlockM * kBlockN / kThreads;
+  static constexpr int kAccRegsQ = kBlockM * kHeadDim / kThreads;
+  static constexpr int kStageRegsQdO = 2 * kBlockM * kHeadDim / kThreads / 2;
+  static constexpr int kAccRegsPartial = kAcc32 ? 0 : kBlockN * kHeadDim / kThreads / 2;
+  static constexpr int kRegsStep = kAccRegsSdP > kAccRegsQ + kStageRegsQdO
+                                       ? kAccRegsSdP
+                                       : kAccRegsQ + kStageRegsQdO;
+  static constexpr int kRegEstimate =
+      kAccRegsKV + kRegsStep + kAccRegsPartial + kVoltaRegOverhead;
+  static constexpr int kRegLimit = 65536 / kThreads < 255 ? 65536 / kThreads : 255;
+
   // ---- validity rules, each with the reason reported for an excluded configuration ----
   static constexpr bool kTypeOk = (kIsHalf || kFamily == 80) && (kIsHalf || kAcc32);
   static constexpr bool kHeadDimOk = kHeadDim % 32 == 0 && kHeadDim >= 32 && kHeadDim <= 256;
@@ -90,9 +121,10 @@ struct BwdConfig {
       kGmemRowsPerPass > 0 && kBlockM % kGmemRowsPerPass == 0 && kBlockN % kGmemRowsPerPass == 0;
   static constexpr bool kSmemOk = kSmemBytes <= kMaxSmemBytes;
   static constexpr bool kThreadsOk = kThreads <= 1024;
+  static constexpr bool kRegsOk = kFamily != 70 || kRegEstimate <= kRegLimit;
 
   static constexpr bool kValid = kTypeOk && kHeadDimOk && kTileOk && kKVTileOk && kQTileOk &&
-                                 kCopyOk && kSmemOk && kThreadsOk;
+                                 kCopyOk && kSmemOk && kThreadsOk && kRegsOk;
   static constexpr const char* kInvalidReason =
       !kTypeOk      ? "bf16 needs the m16n8k16 family and fp32 accumulation"
       : !kHeadDimOk ? "head dim must be a multiple of 32 in [32, 256]"
@@ -103,6 +135,7 @@ struct BwdConfig {
       : !kSmemOk    ? (kFamily == 70 ? "shared memory exceeds Volta's 96 KB per block"
                                      : "shared memory exceeds 227 KB per block")
       : !kThreadsOk ? "more than 1024 threads"
+      : !kRegsOk    ? "Volta register budget: dK, dV and the step's accumulators of a thread and its operands need more than the registers it has (ptxas would spill)"
                     : "";
 };
 

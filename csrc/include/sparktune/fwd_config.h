@@ -60,6 +60,27 @@ struct FwdConfig {
   static constexpr int kSmemRowStats = kRegSoftmax ? 0 : kBlockM * 4;
   static constexpr int kSmemBytes = kSmemQ + kSmemKV + kSmemS + kSmemP + kSmemRowStats;
 
+  // ---- Volta register budget (family 70) ----
+  // A thread has at most 255 registers (under the kernel's launch bounds also at most 64K /
+  // threads); past that ptxas spills. Estimate per thread, calibrated on the sm_70 ptxas reports
+  // of every declared Volta configuration (tools/check_sm70.py, table in docs/VOLTA.md):
+  //  - the accumulators: O is (block_m / warps_m) x (head_dim / warps_n) elements per warp and
+  //    S (block_m / warps_m) x (block_n / warps_n), over the warp's 32 lanes, one register per
+  //    fp32 element and one per two fp16 elements (with fp16 accumulation S is converted to
+  //    fp32 element by element on its way to shared memory);
+  //  - half a register per row of the warp tile: warps of 64 rows spilled with 16 accumulator
+  //    registers fewer than warps of 32 rows;
+  //  - kVoltaRegOverhead for the rest: the operand fragments of the k-slices in flight (plain
+  //    16-bit shared-memory loads on Volta), addresses, loop and softmax state.
+  // With it, every estimate up to 255 compiled without a spill and the smallest estimate that
+  // spilled was 271; estimates of 256 to 270 did not occur.
+  static constexpr int kVoltaRegOverhead = 159;
+  static constexpr int kWarpRows = kBlockM / kWarpsM;
+  static constexpr int kAccRegsO = kWarpRows * (kHeadDim / kWarpsN) / 32 / (kAcc32 ? 1 : 2);
+  static constexpr int kAccRegsS = kWarpRows * (kBlockN / kWarpsN) / 32 / (kAcc32 ? 1 : 2);
+  static constexpr int kRegEstimate = kAccRegsO + kAccRegsS + kWarpRows / 2 + kVoltaRegOverhead;
+  static constexpr int kRegLimit = 65536 / kThreads < 255 ? 65536 / kThreads : 255;
+
   // ---- validity rules, each with the reason reported for an excluded configuration ----
   static constexpr bool kTypeOk = (kIsHalf || kFamily == 80) && (kIsHalf || kAcc32);
   static constexpr bool kHeadDimOk = kHeadDim % 32 == 0 && kHeadDim >= 32 && kHeadDim <= 256;
@@ -74,9 +95,10 @@ struct FwdConfig {
                       kBlockN % kRowThreads == 0);
   static constexpr bool kSmemOk = kSmemBytes <= kMaxSmemBytes;
   static constexpr bool kThreadsOk = kThreads <= 1024;
+  static constexpr bool kRegsOk = kFamily != 70 || kRegEstimate <= kRegLimit;
 
   static constexpr bool kValid = kTypeOk && kHeadDimOk && kTileOk && kSoftmaxOk && kCopyOk &&
-                                 kRowsOk && kSmemOk && kThreadsOk;
+                                 kRowsOk && kSmemOk && kThreadsOk && kRegsOk;
   static constexpr const char* kInvalidReason =
       !kTypeOk      ? "bf16 needs the m16n8k16 family and fp32 accumulation"
       : !kHeadDimOk ? "head dim must be a multiple of 32 in [32, 256]"
@@ -87,6 +109,7 @@ struct FwdConfig {
       : !kSmemOk    ? (kFamily == 70 ? "shared memory exceeds Volta's 96 KB per block"
                                      : "shared memory exceeds 227 KB per block")
       : !kThreadsOk ? "more than 1024 threads"
+      : !kRegsOk    ? "Volta register budget: the O and S accumulators of a thread and its operands need more than the registers it has (ptxas would spill)"
                     : "";
 };
 

@@ -207,7 +207,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
   // One key block. kMask: the block holds the key tail or crosses the causal diagonal. Masked
   // and unmasked blocks run as separate loops so that the unmasked ones carry no mask code.
-  auto step = [&](const int n, auto mask_tag) {
+  // Always inlined where it is called directly (Volta, below); other families call it through
+  // `step_call`.
+  auto step = [&](const int n, auto mask_tag) __attribute__((always_inline)) {
     constexpr bool kMask = decltype(mask_tag)::value;
     if constexpr (kAsync) cp_async_wait<0>();
     __syncthreads();  // K[n] is in shared memory; everyone is done with V[n+1] and P
@@ -324,9 +326,19 @@ __global__ void __launch_bounds__(Traits::kThreads)
   auto needs_mask = [&](int n) {
     return (n + 1) * kBlockN > p.seqlen_k || (p.causal && (n + 1) * kBlockN - 1 > row0 + diag);
   };
+  // Volta calls `step` directly: left to itself, the compiler keeps the masked step as a call
+  // there, and everything it captures by reference (the accumulators, the fragments) then lives
+  // in local memory. Other families call it through a plain lambda, which leaves the inlining
+  // to the compiler.
+  auto step_call = [&](const int n, auto mask_tag) { step(n, mask_tag); };
   int n = n_blocks - 1;
-  for (; n >= 0 && needs_mask(n); --n) step(n, cute::true_type{});
-  for (; n >= 0; --n) step(n, cute::false_type{});
+  if constexpr (Family::kFamily == 70) {
+    for (; n >= 0 && needs_mask(n); --n) step(n, cute::true_type{});
+    for (; n >= 0; --n) step(n, cute::false_type{});
+  } else {
+    for (; n >= 0 && needs_mask(n); --n) step_call(n, cute::true_type{});
+    for (; n >= 0; --n) step_call(n, cute::false_type{});
+  }
 
   // ---- epilogue: O /= rowsum, log-sum-exp, O written once ----
   float* lse_ptr = p.lse + (int64_t(batch) * p.heads_q + head) * p.seqlen_q;
