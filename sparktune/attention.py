@@ -286,18 +286,25 @@ def _backward_problem(problem: Problem) -> Problem:
     return pair[1]
 
 
-def _backward_stays(
-    backend: Backend, problem: Problem, device: DeviceInfo | None, forced: bool
-) -> bool:
-    """Whether the backward of ``problem`` runs on ``backend`` too: always when the user forced
-    it, else when dispatch chooses it for the backward problem."""
+def _native_choice(
+    backend: Backend, config: str, problem: Problem, device: DeviceInfo | None, forced: bool
+) -> tuple[Backend, Any, str] | None:
+    """(backend, its forward_autograd, config) for a call that needs gradients, where the
+    backward would run on a backend that records its forward with PyTorch's autograd: the
+    forced backend when it has the hook; else the backend dispatch chooses for the backward
+    problem, when it has the hook (its forward then runs with the backward's config, so that
+    the backward reuses what that forward saved). None: sparktune's autograd function."""
     if forced:
-        return True
+        native = _forward_autograd(backend)
+        return (backend, native, config) if native is not None else None
     try:
         selection = dispatch.select(_backward_problem(problem), device)
     except dispatch.NoKernelError:
-        return False
-    return selection.candidate.backend == backend.name
+        return None
+    chosen = selection.candidate
+    b = backend if chosen.backend == backend.name else registry.get_backend(chosen.backend)
+    native = _forward_autograd(b)
+    return (b, native, chosen.config) if native is not None else None
 
 
 def _new_output(q: torch.Tensor) -> torch.Tensor:
@@ -604,10 +611,11 @@ def attention(
     one-time warning says so).
     Running on a fallback (CPU tensors, or the reference backend) is announced once per process.
 
-    Where the forward's backend offers a forward recorded by PyTorch's own autograd
-    (``forward_autograd``: the ``torch`` backend) and the backward would run on that backend too
-    (forced, or chosen by dispatch for the backward problem), that forward is used and its
-    backward is PyTorch's, from what PyTorch saved: nothing is computed twice.
+    When gradients are needed and the backward runs on a backend that records its forward
+    with PyTorch's own autograd (``forward_autograd``: the ``torch`` backend), because it was
+    forced or because dispatch chooses it for the backward problem, the forward runs there too
+    (with the backward's config) and the backward is PyTorch's, from what that forward saved:
+    nothing is computed twice.
 
     Under ``torch.compile`` (and ``torch.export``) the inputs are checked while tracing, and the
     call becomes the custom op ``sparktune::attention_fwd`` (:mod:`sparktune._ops`), whose
@@ -645,19 +653,20 @@ def attention(
     impl = registry.get_backend(chosen.backend)
 
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        native = _forward_autograd(impl)
-        if (
-            native is not None
-            and not return_lse
-            and _backward_stays(impl, problem, device, backend is not None)
-        ):
+        native = (
+            None
+            if return_lse
+            else _native_choice(impl, chosen.config, problem, device, backend is not None)
+        )
+        if native is not None:
+            native_backend, forward_autograd, native_config = native
             q, k, v = _KeepGradStrides.apply(q, k, v)
-            out = native(
-                impl,
+            out = forward_autograd(
+                native_backend,
                 _bhnd(q, layout),
                 _bhnd(k, layout),
                 _bhnd(v, layout),
-                config=chosen.config,
+                config=native_config,
                 causal=causal,
                 scale=scale,
             )

@@ -72,3 +72,36 @@ def test_other_backends_keep_the_sparktune_autograd_function():
     q, k, v = (t.detach().half().requires_grad_() for t in _inputs())
     out = sparktune.attention(q, k, v, backend="reference")
     assert any("_AttentionFunction" in n for n in _grad_fn_names(out))
+
+
+def test_backward_chosen_on_the_torch_backend_takes_the_forward_there_too(monkeypatch):
+    """Dispatch picks another backend for the forward and torch for the backward: the call
+    runs the forward on torch (with the backward's config) under PyTorch's autograd, so the
+    backward reuses what that forward saved."""
+    from sparktune import dispatch
+    from sparktune.backends.base import Candidate
+
+    real_select = dispatch.select
+    picked = {"fwd": Candidate("reference", "float32"), "bwd": Candidate("torch", "math")}
+
+    def select(problem, device=None, **kw):
+        if kw.get("backend") is None and problem.op in picked:
+            return dispatch.Selection(picked[problem.op], "tuned")
+        return real_select(problem, device, **kw)
+
+    monkeypatch.setattr(dispatch, "select", select)
+    q, k, v = (t.detach().half().requires_grad_() for t in _inputs())
+    out = sparktune.attention(q, k, v, causal=True)
+    names = _grad_fn_names(out)
+    assert not any("_AttentionFunction" in n for n in names), names
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref = reference_attention_backward(*(t.detach().double() for t in (dout, q, k, v)),
+                                       causal=True, scale=q.shape[-1] ** -0.5)
+    for g, r in zip(grads, ref, strict=True):
+        assert (g.double() - r).abs().max().item() < 2e-2
+
+    # and with the backward on the reference backend, sparktune's own autograd function
+    picked["bwd"] = Candidate("reference", "float32")
+    out = sparktune.attention(q, k, v, causal=True)
+    assert any("_AttentionFunction" in n for n in _grad_fn_names(out))

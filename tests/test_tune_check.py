@@ -107,3 +107,27 @@ def test_cuda_event_timer_on_a_gpu():
     a = torch.randn(2048, 2048, device="cuda", dtype=torch.float16)
     t = CudaEventTimer(rep_ms=20).measure(lambda: a @ a)
     assert t.runs >= 10 and 0 < t.min_ms <= t.median_ms <= t.max_ms
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_torch_backward_is_measured_as_the_backward_of_its_recorded_forward(shape):
+    """A backend with forward_autograd (torch) is timed, for the backward, as what dispatch
+    runs: PyTorch's backward of that backend's own recorded forward, no second forward. Its
+    gradients pass the same check; each call recomputes nothing but the backward."""
+    from sparktune.backends.base import Candidate
+    from sparktune.backends.torch_sdpa import TorchSDPABackend
+
+    p = _small(op="bwd", **shape)
+    w = Workload(p, "cpu", seed=3)
+    backend = TorchSDPABackend()
+    calls = []
+    real = TorchSDPABackend._sdpa
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TorchSDPABackend, "_sdpa", staticmethod(lambda *a: calls.append(1) or real(*a)))
+        fn, outs = w.launch(backend, Candidate("torch", "math"), w.check_inputs(), fill=float("nan"))
+        assert len(calls) == 1  # the one recorded forward
+        fn()
+        fn()
+        assert len(calls) == 1  # the timed calls run the backward only
+    res = w.check(outs)
+    assert res.ok and res.error <= res.limit, res

@@ -193,6 +193,20 @@ class Workload:
 
             return fwd, outs
         outs = {"dq": alloc(t["q"]), "dk": alloc(t["k"]), "dv": alloc(t["v"])}
+        native = getattr(type(backend), "forward_autograd", None)
+        if native is not None:
+            # what sparktune.attention() runs when the backward is on this backend: the
+            # backward of its own recorded forward (one forward, outside the timing)
+            leaves = [t[n].detach().requires_grad_() for n in ("q", "k", "v")]
+            with torch.enable_grad():
+                out = native(backend, *leaves, config=cand.config, causal=p.causal, scale=self.scale)
+
+            def bwd_native() -> object:
+                dq, dk, dv = torch.autograd.grad(out, leaves, t["dout"], retain_graph=True)
+                outs.update(dq=dq, dk=dk, dv=dv)
+                return None
+
+            return bwd_native, outs
 
         def bwd() -> object:
             backend.backward(
