@@ -473,6 +473,25 @@ def _warn_fallback(
     )
 
 
+def _choose(
+    problem: Problem,
+    device: DeviceInfo | None,
+    dev: torch.device,
+    backend: str | None,
+    config: str | None,
+) -> Any:
+    """The forward's Candidate from dispatch, with the one-time fallback warning."""
+    selection = dispatch.select(problem, device, backend=backend, config=config)
+    chosen = selection.candidate
+    if (
+        selection.source != "forced"
+        and (device is None or chosen.backend in FALLBACK_BACKENDS)
+        and "fallback" not in _warned
+    ):
+        _warn_fallback(chosen, device, dev, stacklevel=5)
+    return chosen
+
+
 def _op_plan(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -494,14 +513,7 @@ def _op_plan(
     causal = bool(causal)
     problem = _forward_problem((dtype, b, hq, hk, nq, nk, d, causal, bool(allow_fp16_accum)))
     device = _device_info(dev)
-    selection = dispatch.select(problem, device, backend=backend, config=config)
-    chosen = selection.candidate
-    if (
-        selection.source != "forced"
-        and (device is None or chosen.backend in FALLBACK_BACKENDS)
-        and "fallback" not in _warned
-    ):
-        _warn_fallback(chosen, device, dev)
+    chosen = _choose(problem, device, dev, backend, config)
     return _Plan(
         backend=registry.get_backend(chosen.backend),
         config=chosen.config,
@@ -642,14 +654,7 @@ def attention(
     problem = _forward_problem((dtype, b, hq, hk, nq, nk, d, causal, bool(allow_fp16_accum)))
     device = _device_info(dev)
 
-    selection = dispatch.select(problem, device, backend=backend, config=config)
-    chosen = selection.candidate
-    if (
-        selection.source != "forced"
-        and (device is None or chosen.backend in FALLBACK_BACKENDS)
-        and "fallback" not in _warned
-    ):
-        _warn_fallback(chosen, device, dev)
+    chosen = _choose(problem, device, dev, backend, config)
     impl = registry.get_backend(chosen.backend)
 
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

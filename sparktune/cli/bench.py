@@ -220,13 +220,9 @@ def _plan(args: argparse.Namespace) -> tuple[list[Any], Any]:
 
 
 def _progress_bar(total: int, *, disable: bool) -> Any:
-    if disable or total == 0:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True, leave=False)
+    from ._progress import progress_bar
+
+    return progress_bar(total, unit="run", disable=disable)
 
 
 def _emit(report: Any, args: argparse.Namespace, *, plots_possible: bool) -> int:

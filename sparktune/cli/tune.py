@@ -298,13 +298,9 @@ def _key(p: Any) -> str:
 
 
 def _progress_bar(total: int, *, disable: bool) -> Any:
-    if disable or total == 0:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, unit="trial", file=sys.stderr, dynamic_ncols=True, leave=False)
+    from ._progress import progress_bar
+
+    return progress_bar(total, unit="trial", disable=disable)
 
 
 def _report(r: Any, top: int) -> str:
