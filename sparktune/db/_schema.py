@@ -69,8 +69,12 @@ class SchemaOutdatedError(SchemaError):
 def stored_version(conn: Connection) -> int | None:
     """The store's schema version, or None for a database without sparktune tables."""
     insp = sa.inspect(conn)
+    # the records table first: all tables appear at once when another process commits their
+    # creation, so records seen before that commit imply the version table after it (reading
+    # them the other way round can see the records table alone, in between)
+    has_records = insp.has_table(Measurement.__tablename__)
     if not insp.has_table(Meta.__tablename__):
-        if insp.has_table(Measurement.__tablename__):
+        if has_records:
             raise SchemaError(
                 f"the database has a {Measurement.__tablename__} table but no "
                 f"{Meta.__tablename__} table: it was not written by sparktune, or is damaged"
