@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..backends.reference import reference_attention, reference_attention_backward
-from ..tune import ERROR_FACTOR, ERROR_FLOOR, FP16_ACCUM_FACTOR, lowp_attention
+from ..tune import ERROR_FACTOR, FP16_ACCUM_FACTOR
+from ..tune._workload import check_outputs, reference_bounds
 
 if TYPE_CHECKING:
     from ..problem import Problem
@@ -76,13 +76,6 @@ class CheckOutcome:
     message: str = ""
 
 
-def _max_abs_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    if got.numel() == 0:
-        return 0.0
-    err = (got.double() - ref).abs().max().item()
-    return math.inf if math.isnan(err) else err
-
-
 class References:
     """The float64 references of one shape's inputs and their error bounds, computed on first
     need and kept for every op and candidate of the shape."""
@@ -91,35 +84,29 @@ class References:
         self.inputs = inputs
         self.dtype_name = dtype_name
         self.factor = ERROR_FACTOR * (FP16_ACCUM_FACTOR if inputs.allow_fp16_accum else 1.0)
-        self._fwd: dict[str, tuple[torch.Tensor, float]] | None = None
-        self._bwd: dict[str, tuple[torch.Tensor, float]] | None = None
+        self._fwd: dict[str, tuple[torch.Tensor, float, None]] | None = None
+        self._bwd: dict[str, tuple[torch.Tensor, float, None]] | None = None
 
-    def _forward(self) -> dict[str, tuple[torch.Tensor, float]]:
+    def _bounds(self, op: str) -> dict:
+        t = self.inputs
+        tensors = {"q": t.q, "k": t.k, "v": t.v, "dout": t.dout}
+        return reference_bounds(
+            tensors, op=op, causal=t.causal, scale=t.scale, factor=self.factor, lse=False
+        )
+
+    def _forward(self) -> dict:
         if self._fwd is None:
-            t = self.inputs
-            with torch.no_grad():
-                ref, _ = reference_attention(t.q, t.k, t.v, t.causal, t.scale, torch.float64)
-                low, _ = lowp_attention(t.q, t.k, t.v, causal=t.causal, scale=t.scale)
-                bound = self.factor * _max_abs_err(low, ref) + ERROR_FLOOR
-            self._fwd = {"out": (ref, bound)}
+            self._fwd = self._bounds("fwd")
         return self._fwd
 
-    def _backward(self) -> dict[str, tuple[torch.Tensor, float]]:
+    def _backward(self) -> dict:
         if self._bwd is None:
-            t = self.inputs
-            refs = reference_attention_backward(
-                t.dout, t.q, t.k, t.v, t.causal, t.scale, torch.float64
-            )
-            lows = lowp_attention(t.q, t.k, t.v, causal=t.causal, scale=t.scale, dout=t.dout)
-            self._bwd = {
-                name: (ref, self.factor * _max_abs_err(low, ref) + ERROR_FLOOR)
-                for name, ref, low in zip(("dq", "dk", "dv"), refs, lows, strict=True)
-            }
+            self._bwd = self._bounds("bwd")
         return self._bwd
 
-    def expected(self, op: str) -> dict[str, tuple[torch.Tensor, float]]:
-        """output name -> (float64 reference, bound) for ``op``."""
-        out: dict[str, tuple[torch.Tensor, float]] = {}
+    def expected(self, op: str) -> dict[str, tuple[torch.Tensor, float, None]]:
+        """output name -> (float64 reference, bound, None) for ``op``."""
+        out: dict = {}
         if op in ("fwd", "fwd+bwd"):
             out.update(self._forward())
         if op in ("bwd", "fwd+bwd"):
@@ -127,28 +114,8 @@ class References:
         return out
 
     def check(self, op: str, outputs: dict[str, torch.Tensor]) -> CheckOutcome:
-        worst: tuple[float, float, str] | None = None
-        for name, (ref, bound) in self.expected(op).items():
-            got = outputs.get(name)
-            if got is None:
-                return CheckOutcome(False, math.inf, bound, f"no {name} produced")
-            if tuple(got.shape) != tuple(ref.shape):
-                return CheckOutcome(
-                    False, math.inf, bound,
-                    f"{name} has shape {tuple(got.shape)}, expected {tuple(ref.shape)}",
-                )
-            err = _max_abs_err(got, ref)
-            if worst is None or err / bound > worst[0] / worst[1]:
-                worst = (err, bound, name)
-        assert worst is not None
-        err, bound, name = worst
-        if err <= bound:
-            return CheckOutcome(True, err, bound)
-        return CheckOutcome(
-            False, err, bound,
-            f"{name}: max abs error {err:.3g} exceeds the bound {bound:.3g} ({self.factor:g}x "
-            f"PyTorch's own {self.dtype_name} error + {ERROR_FLOOR:g})",
-        )
+        r = check_outputs(self.expected(op), outputs, factor=self.factor, dtype=self.dtype_name)
+        return CheckOutcome(r.ok, r.error, r.limit, r.message)
 
     def release(self) -> None:
         self._fwd = self._bwd = None

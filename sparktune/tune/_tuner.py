@@ -402,18 +402,20 @@ class Tuner:
         return tunable_candidates(problem, self.device, only=self.backends, exclude=self.exclude)
 
     def plan(self, problem: Problem) -> tuple[list[Candidate], str, int]:
-        """(candidates in trial order, mode, trials): the heuristic default first; exhaustive
-        when every candidate fits the budget."""
-        from ..dispatch import NoKernelError, heuristic_default
+        """(candidates in trial order, mode, trials): the seeds (:meth:`seeds`) first;
+        exhaustive when every candidate fits the budget."""
+        return self._plan(problem)[:3]
 
+    def _plan(self, problem: Problem) -> tuple[list[Candidate], str, int, int]:
+        """:meth:`plan`, and how many of the first candidates are seeds."""
         cands, _ = self.candidates(problem)
         seeds = self.seeds(problem, cands)
         cands = seeds + [c for c in cands if c not in seeds]
         if not cands:
-            return [], "none", 0
+            return [], "none", 0, 0
         if len(cands) <= self.trials:
-            return cands, "exhaustive", len(cands)
-        return cands, "tpe", self.trials
+            return cands, "exhaustive", len(cands), len(seeds)
+        return cands, "tpe", self.trials, len(seeds)
 
     def seeds(self, problem: Problem, cands: list[Candidate]) -> list[Candidate]:
         """The candidates measured first, before TPE chooses (of ``cands``): the heuristic
@@ -546,7 +548,7 @@ class Tuner:
 
         start = time.monotonic()
         result = TuneResult(problem, self.device, build_id())
-        order, mode, planned = self.plan(problem)
+        order, mode, planned, n_seeds = self._plan(problem)
         result.excluded = self.candidates(problem)[1]
         result.mode = mode
         if not order:
@@ -576,7 +578,7 @@ class Tuner:
             if self.progress is not None:
                 for i, m in enumerate(result.measurements, 1):
                     self.progress(result, m, i, planned)
-        first = order if mode == "exhaustive" else order[: max(1, len(self.seeds(problem, order)))]
+        first = order if mode == "exhaustive" else order[: max(1, n_seeds)]
         for c in first:
             if c.label not in measured and c.label not in queued:
                 study.enqueue_trial({"candidate": c.label})

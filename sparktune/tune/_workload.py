@@ -134,6 +134,62 @@ def _max_abs_err(a: torch.Tensor, ref: torch.Tensor, finite_mask: torch.Tensor |
     return math.inf if math.isnan(err) else err
 
 
+def reference_bounds(
+    t: dict[str, torch.Tensor], *, op: str, causal: bool, scale: float, factor: float, lse: bool = True
+) -> dict[str, tuple[torch.Tensor, float, torch.Tensor | None]]:
+    """output name -> (float64 reference, bound, mask of entries to compare or None) for the
+    inputs ``t`` (q, k, v, and dout for "bwd"): "fwd" gives out (and lse, compared where it is
+    finite, when ``lse``), "bwd" gives dq, dk and dv. Each bound is ``factor`` times PyTorch's
+    own error in the input precision plus ERROR_FLOOR."""
+    refs: dict[str, tuple[torch.Tensor, float, torch.Tensor | None]] = {}
+    with torch.no_grad():
+        if op == "fwd":
+            out64, lse64 = reference_attention(t["q"], t["k"], t["v"], causal, scale, torch.float64)
+            low, lse_low = lowp_attention(t["q"], t["k"], t["v"], causal=causal, scale=scale)
+            refs["out"] = (out64, factor * _max_abs_err(low, out64) + ERROR_FLOOR, None)
+            if lse:
+                finite = torch.isfinite(lse64)
+                refs["lse"] = (lse64, factor * _max_abs_err(lse_low, lse64, finite) + ERROR_FLOOR, finite)
+        else:
+            grads64 = reference_attention_backward(t["dout"], t["q"], t["k"], t["v"], causal, scale, torch.float64)
+            lows = lowp_attention(t["q"], t["k"], t["v"], causal=causal, scale=scale, dout=t["dout"])
+            for name, ref, low in zip(("dq", "dk", "dv"), grads64, lows, strict=True):
+                refs[name] = (ref, factor * _max_abs_err(low, ref) + ERROR_FLOOR, None)
+    return refs
+
+
+def check_outputs(
+    refs: dict[str, tuple[torch.Tensor, float, torch.Tensor | None]],
+    outputs: dict[str, torch.Tensor],
+    *,
+    factor: float,
+    dtype: str,
+) -> CheckResult:
+    """Compare ``outputs`` with :func:`reference_bounds`' ``refs``: the worst output relative to
+    its bound decides."""
+    worst: CheckResult | None = None
+    for name, (ref, bound, mask) in refs.items():
+        got = outputs.get(name)
+        if got is None:
+            return CheckResult(False, math.inf, bound, name, f"no {name} produced")
+        if tuple(got.shape) != tuple(ref.shape):
+            return CheckResult(False, math.inf, bound, name, f"{name} has shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
+        if mask is not None and not torch.equal(torch.isfinite(got), mask):
+            return CheckResult(False, math.inf, bound, name, f"{name}: rows with no visible key must be -inf, others finite")
+        err = _max_abs_err(got, ref, mask)
+        r = CheckResult(err <= bound, err, bound, name)
+        if worst is None or (err / bound if bound else math.inf) > (worst.error / worst.limit if worst.limit else math.inf):
+            worst = r
+    assert worst is not None
+    if not worst.ok:
+        return CheckResult(
+            False, worst.error, worst.limit, worst.what,
+            f"{worst.what}: max abs error {worst.error:.3g} exceeds the bound {worst.limit:.3g} "
+            f"({factor:g}x PyTorch's own {dtype} error + {ERROR_FLOOR:g})",
+        )
+    return worst
+
+
 class Workload:
     """Random inputs of one problem on one torch device, candidate launches on them, and
     (lazily) the reference check."""
@@ -239,48 +295,18 @@ class Workload:
             self._check_inputs = self.inputs(self.seed)
         return self._check_inputs
 
+    def _factor(self) -> float:
+        return ERROR_FACTOR * (FP16_ACCUM_FACTOR if self.problem.allow_fp16_accum else 1.0)
+
     def _references(self) -> dict[str, tuple[torch.Tensor, float, torch.Tensor | None]]:
         """output name -> (float64 reference, bound, mask of entries to compare or None)."""
-        if self._refs is not None:
-            return self._refs
-        p, t = self.problem, self.check_inputs()
-        factor = ERROR_FACTOR * (FP16_ACCUM_FACTOR if p.allow_fp16_accum else 1.0)
-        refs: dict[str, tuple[torch.Tensor, float, torch.Tensor | None]] = {}
-        with torch.no_grad():
-            if p.op == "fwd":
-                out64, lse64 = reference_attention(t["q"], t["k"], t["v"], p.causal, self.scale, torch.float64)
-                low, lse_low = lowp_attention(t["q"], t["k"], t["v"], causal=p.causal, scale=self.scale)
-                refs["out"] = (out64, factor * _max_abs_err(low, out64) + ERROR_FLOOR, None)
-                finite = torch.isfinite(lse64)
-                refs["lse"] = (lse64, factor * _max_abs_err(lse_low, lse64, finite) + ERROR_FLOOR, finite)
-            else:
-                grads64 = reference_attention_backward(t["dout"], t["q"], t["k"], t["v"], p.causal, self.scale, torch.float64)
-                lows = lowp_attention(t["q"], t["k"], t["v"], causal=p.causal, scale=self.scale, dout=t["dout"])
-                for name, ref, low in zip(("dq", "dk", "dv"), grads64, lows, strict=True):
-                    refs[name] = (ref, factor * _max_abs_err(low, ref) + ERROR_FLOOR, None)
-        self._refs = refs
-        return refs
+        if self._refs is None:
+            p = self.problem
+            self._refs = reference_bounds(
+                self.check_inputs(), op=p.op, causal=p.causal, scale=self.scale, factor=self._factor()
+            )
+        return self._refs
 
     def check(self, outputs: dict[str, torch.Tensor]) -> CheckResult:
         """Compare a candidate's outputs (from :meth:`launch` on :meth:`check_inputs`)."""
-        worst: CheckResult | None = None
-        for name, (ref, bound, mask) in self._references().items():
-            got = outputs.get(name)
-            if got is None:
-                return CheckResult(False, math.inf, bound, name, f"no {name} produced")
-            if tuple(got.shape) != tuple(ref.shape):
-                return CheckResult(False, math.inf, bound, name, f"{name} has shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
-            if mask is not None and not torch.equal(torch.isfinite(got), mask):
-                return CheckResult(False, math.inf, bound, name, f"{name}: rows with no visible key must be -inf, others finite")
-            err = _max_abs_err(got, ref, mask)
-            r = CheckResult(err <= bound, err, bound, name)
-            if worst is None or (err / bound if bound else math.inf) > (worst.error / worst.limit if worst.limit else math.inf):
-                worst = r
-        assert worst is not None
-        if not worst.ok:
-            return CheckResult(
-                False, worst.error, worst.limit, worst.what,
-                f"{worst.what}: max abs error {worst.error:.3g} exceeds the bound {worst.limit:.3g} "
-                f"({ERROR_FACTOR:g}x PyTorch's own {self.problem.dtype} error + {ERROR_FLOOR:g})",
-            )
-        return worst
+        return check_outputs(self._references(), outputs, factor=self._factor(), dtype=self.problem.dtype)
