@@ -15,7 +15,8 @@ On a GPU: plain SDPA, SDPA under ``sdpa_kernel(FLASH)``, ``attention()`` forced 
 ``attention()`` on a tuned hit whose winner is torch:flash (a temporary store holds that one
 record), ``dispatch.select()`` alone, the torch backend's ``forward``/``forward_alloc``
 directly, every other tunable backend's ``forward`` with its default config, and (``--db``)
-the winner of that store. The target (issue 4): a hit at most 5 us above SDPA.
+the winner of that store. The target (issue 4): a hit at most 5 us above calling plain SDPA
+(``F.scaled_dot_product_attention`` with its own choice of kernel).
 On the CPU: the same with torch's "math" backend, plus a backend whose forward does nothing,
 reached forced and through a tuned hit on a stand-in device, so that what is left is
 sparktune's own Python.
@@ -236,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
                             q, k, v, out, config=c, causal=False, scale=scale, need_lse=False
                         )
                     )
+                    extra[f"  attention(), forced {name}:{cfg}"[:60]] = (
+                        lambda n=name, c=cfg: sparktune.attention(q, k, v, backend=n, config=c)
+                    )
             if args.db:
                 dispatch.configure(args.db)
                 w = dispatch.select(problem, dev)
@@ -297,9 +301,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<68} {value:>10.2f}")
     met = None
     if device == "cuda":
-        met = summary["hit minus SDPA under sdpa_kernel(FLASH)"] <= TARGET_US
+        met = summary["hit minus plain SDPA"] <= TARGET_US
         print(
-            f"target (hit at most {TARGET_US:g} us above SDPA under sdpa_kernel(FLASH)): "
+            f"target (a hit at most {TARGET_US:g} us above calling plain SDPA): "
             f"{'met' if met else 'MISSED'}"
         )
     print("dispatch counters:", counters)

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
         dout = torch.randn_like(q)
         inputs = 4 * q.numel() * q.element_size()
         cells = []
-        for name, fn in runs.items():
+        for _name, fn in runs.items():
             try:
                 cells.append(f"{peak_bytes(fn, q, k, v, dout) / 2**20:17.1f} MiB")
             except Exception as exc:  # noqa: BLE001 - a backend that cannot run is reported

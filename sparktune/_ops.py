@@ -77,6 +77,8 @@ def _bhnd_rows(q: torch.Tensor, layout: str) -> tuple[Any, Any, Any]:
 def attention_fwd(q, k, v, causal, scale, layout, backend, config, allow_fp16_accum, need_lse):
     plan = _op_plan(q, k, v, causal, scale, layout, backend, config, allow_fp16_accum)
     out, lse = _forward(plan, q, k, v, need_lse)
+    if not out.is_contiguous():  # SDPA's own layout: the op's output is contiguous
+        out = out.contiguous()
     if not need_lse:
         return out, q.new_empty(_NO_LSE, dtype=torch.float32)
     if lse.dtype != torch.float32 or not lse.is_contiguous():

@@ -239,38 +239,40 @@ class _Plan:
     forced: bool
 
 
-#: backend class -> its ``forward_alloc`` method, or None when it has none
-_forward_allocs: dict[type, Any] = {}
+#: (backend class, hook name) -> that optional hook (see backends.base.OPTIONAL_HOOKS) or None
+_hooks: dict[tuple[type, str], Any] = {}
+
+
+def _hook(backend: Backend, name: str) -> Any:
+    """The backend's optional hook ``name``, looked up on its class, or None."""
+    key = (type(backend), name)
+    try:
+        return _hooks[key]
+    except KeyError:
+        fn = _hooks[key] = getattr(key[0], name, None)
+        return fn
 
 
 def _forward_alloc(backend: Backend) -> Any:
-    """The backend's optional ``forward_alloc(q, k, v, *, config, causal, scale, need_lse)
-    -> (out, lse)``: its forward writing to an output it allocates itself ((B, H, N, D), any
+    """The backend's ``forward_alloc(q, k, v, *, config, causal, scale, need_lse) -> (out,
+    lse)``: its forward writing to an output it allocates itself ((B, H, N, D), any dense
     strides), for kernels that make their own output anyway (PyTorch's SDPA), so that no
     copy into a caller's buffer is needed. None when the backend has only ``forward``."""
-    cls = type(backend)
-    try:
-        return _forward_allocs[cls]
-    except KeyError:
-        fn = _forward_allocs[cls] = getattr(cls, "forward_alloc", None)
-        return fn
-
-
-#: backend class -> its ``forward_autograd`` method, or None when it has none
-_forward_autograds: dict[type, Any] = {}
+    return _hook(backend, "forward_alloc")
 
 
 def _forward_autograd(backend: Backend) -> Any:
-    """The backend's optional ``forward_autograd(q, k, v, *, config, causal, scale) -> out``: a
+    """The backend's ``forward_autograd(q, k, v, *, config, causal, scale) -> out``: a
     forward recorded by PyTorch's autograd with its own backward ((B, H, N, D) views in, out of
     q's shape, any strides). Used when the backward would run on the same backend, so that
     its backward reuses what its forward saved instead of running the forward again."""
-    cls = type(backend)
-    try:
-        return _forward_autograds[cls]
-    except KeyError:
-        fn = _forward_autograds[cls] = getattr(cls, "forward_autograd", None)
-        return fn
+    return _hook(backend, "forward_autograd")
+
+
+def _forward_runner(backend: Backend) -> Any:
+    """The backend's ``forward_runner(q, k, v, out, *, config, causal, scale, need_lse)``:
+    a forward specialised to inputs like these, for calls repeated with an equal key."""
+    return _hook(backend, "forward_runner")
 
 
 #: id of a forward Problem -> (that Problem, its backward Problem)
@@ -325,8 +327,10 @@ def _run(
     scale: float,
     need_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run ``backend``'s ``config`` on user-layout tensors; returns (out, lse): out in the
-    user's layout, a new tensor contiguous in that layout."""
+    """Run ``backend``'s ``config`` on user-layout tensors; returns (out, lse): out a new
+    tensor of q's shape, contiguous in the user's layout, except that for "bhnd" a backend
+    that allocates its own output (``forward_alloc``: PyTorch's SDPA) returns it with its
+    own dense strides, as F.scaled_dot_product_attention does."""
     alloc = _forward_alloc(backend)
     if layout == "bhnd":
         if alloc is None:
@@ -338,8 +342,6 @@ def _run(
             out, lse = alloc(
                 backend, q, k, v, config=config, causal=causal, scale=scale, need_lse=need_lse
             )
-            if not out.is_contiguous():
-                out = out.contiguous()
     elif alloc is None:
         out = _new_output(q)
         lse = backend.forward(
@@ -473,25 +475,6 @@ def _warn_fallback(
     )
 
 
-def _choose(
-    problem: Problem,
-    device: DeviceInfo | None,
-    dev: torch.device,
-    backend: str | None,
-    config: str | None,
-) -> Any:
-    """The forward's Candidate from dispatch, with the one-time fallback warning."""
-    selection = dispatch.select(problem, device, backend=backend, config=config)
-    chosen = selection.candidate
-    if (
-        selection.source != "forced"
-        and (device is None or chosen.backend in FALLBACK_BACKENDS)
-        and "fallback" not in _warned
-    ):
-        _warn_fallback(chosen, device, dev, stacklevel=5)
-    return chosen
-
-
 def _op_plan(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -513,7 +496,7 @@ def _op_plan(
     causal = bool(causal)
     problem = _forward_problem((dtype, b, hq, hk, nq, nk, d, causal, bool(allow_fp16_accum)))
     device = _device_info(dev)
-    chosen = _choose(problem, device, dev, backend, config)
+    chosen = _select(problem, device, dev, backend, config).candidate
     return _Plan(
         backend=registry.get_backend(chosen.backend),
         config=chosen.config,
@@ -524,29 +507,6 @@ def _op_plan(
         device=device,
         forced=backend is not None,
     )
-
-
-class _KeepGradStrides(torch.autograd.Function):
-    """Identity on (q, k, v) whose backward gives each gradient its input's strides (as
-    :func:`_grad_buffer` does) when the gradient arrives with others."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):  # type: ignore[override]
-        ctx.inputs = [(t.shape, t.stride(), t.dtype, t.device) for t in (q, k, v)]
-        return q.view_as(q), k.view_as(k), v.view_as(v)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, *grads):  # type: ignore[override]
-        out = []
-        for g, (shape, stride, dtype, device) in zip(grads, ctx.inputs, strict=True):
-            if g is not None and g.stride() != stride:
-                # the strides _grad_buffer would choose, worked out on the meta device
-                want = _grad_buffer(torch.empty_strided(shape, stride, dtype=dtype, device="meta"))
-                if want.stride() != g.stride():
-                    g = torch.empty_strided(shape, want.stride(), dtype=dtype, device=device).copy_(g)
-            out.append(g)
-        return tuple(out)
 
 
 class _AttentionFunction(torch.autograd.Function):
@@ -565,6 +525,70 @@ class _AttentionFunction(torch.autograd.Function):
         dq, dk, dv = _backward(ctx.plan, dout, q, k, v, out, lse)
         need = ctx.needs_input_grad
         return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None)
+
+
+class _RecordedAttention(torch.autograd.Function):
+    """:class:`_AttentionFunction` with the forward's results given: its backward is the
+    same code a training step runs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, out, lse, plan):  # type: ignore[override]
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.view_as(out)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(ctx.plan, dout, q, k, v, out, lse)
+        need = ctx.needs_input_grad
+        return (
+            dq if need[0] else None,
+            dk if need[1] else None,
+            dv if need[2] else None,
+            None,
+            None,
+            None,
+        )
+
+
+def recorded_for_backward(
+    backend: Backend,
+    config: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    allow_fp16_accum: bool = False,
+) -> torch.Tensor:
+    """``out`` ((B, H, N, D) tensors, q/k/v requiring gradients) recorded by autograd so
+    that its backward is what a training call of :func:`attention` runs when dispatch gives
+    the backward to ``backend:config``: autograd's engine, sparktune's autograd function and
+    its gradient buffers, then the backend's ``backward``. The tuner times backward
+    candidates this way, so that what the call path costs on the host counts. Raises
+    :class:`~sparktune.dispatch.NoKernelError` when the backend cannot run it there."""
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    problem = _forward_problem((q.dtype, b, hq, hk, nq, nk, d, bool(causal), bool(allow_fp16_accum)))
+    plan = _Plan(
+        backend=backend,
+        config=config,
+        causal=bool(causal),
+        scale=float(scale),
+        layout="bhnd",
+        problem=problem,
+        device=_device_info(q.device),
+        forced=True,
+    )
+    chosen = _backward_choice(plan)
+    if chosen is None or chosen[0] is not backend or chosen[1] != config:
+        raise dispatch.NoKernelError(f"{backend.name}:{config} cannot run the backward of {problem}")
+    return _RecordedAttention.apply(q, k, v, out, lse, plan)
 
 
 def attention(
@@ -601,7 +625,9 @@ def attention(
             ``(B, Hq, Nq)`` whatever the layout (not differentiable).
 
     Returns:
-        ``out`` with q's layout, shape and dtype (a new contiguous tensor in that layout), or
+        ``out`` with q's layout, shape and dtype, a new tensor contiguous in that layout
+        (except that with ``"bhnd"``, PyTorch's SDPA backends return SDPA's own output, as
+        F.scaled_dot_product_attention does: dense, (B, N, H, D) in memory for flash), or
         ``(out, lse)``.
 
     Inputs must be float16 or bfloat16 on every device: the problem key, the kernels and the
@@ -633,61 +659,228 @@ def attention(
     call becomes the custom op ``sparktune::attention_fwd`` (:mod:`sparktune._ops`), whose
     backward is ``sparktune::attention_bwd``: no graph break. The kernel is chosen when the op
     runs, as above; a forced backend that cannot run the problem raises then.
-    Gradients keep their input's strides where the input is non-overlapping and dense, and are
-    contiguous otherwise (e.g. for slices of a packed QKV tensor).
+    Gradients from sparktune's backward (and from the op under a compiler) keep their input's
+    strides where the input is non-overlapping and dense, and are contiguous otherwise (e.g.
+    for slices of a packed QKV tensor); on the native path above they are PyTorch's own, as
+    with F.scaled_dot_product_attention (a leaf's ``.grad`` follows the leaf's strides either
+    way, by PyTorch's rule).
+
+    A call repeated with inputs of the same shapes, strides, dtypes and devices and the same
+    arguments reuses what the first one worked out (checks, dispatch, the backend's
+    ``forward_runner``): a hit costs a dictionary lookup and the launch. Forgotten when
+    dispatch forgets its selections (:func:`sparktune.dispatch.reload`, a backend registered).
     """
+    compiling = _is_compiling()
+    if not compiling:
+        try:  # every property of the call that the checks and dispatch read
+            key = (
+                q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
+                q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+                causal, type(scale), scale, layout, backend, config, allow_fp16_accum, return_lse,
+            )  # fmt: skip
+            hit = _hits.get(key)
+        except Exception:  # noqa: BLE001 - not tensors, or unhashable arguments: checked below
+            key = hit = None
+        if hit is not None and hit.generation == dispatch.generation:
+            _counts[hit.source] += 1
+            if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+                return _train(hit.plan, q, k, v, return_lse)
+            if hit.run is not None:
+                out, lse = hit.run(q, k, v)
+                return (out, lse) if return_lse else out
+            _counts[hit.source] -= 1  # counted again below, once
     sizes = _sizes(q, k, v, layout)
     if sizes is None:  # something is wrong (this raises and says what) or unusual
         sizes = _checked_sizes(q, k, v, layout)
-    if torch.compiler.is_compiling():  # traced: one custom op, dispatched when it runs
+    if compiling:  # traced: one custom op, dispatched when it runs
         from ._ops import traced_attention
 
         return traced_attention(
             q, k, v, sizes[5], causal, scale, layout, backend, config, allow_fp16_accum, return_lse
         )
     b, hq, hk, nq, nk, d, dtype, dev = sizes
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    elif not (type(scale) is float and 0.0 < scale < math.inf):
-        scale = _check_scale(scale, d)
-    causal = bool(causal)
-    problem = _forward_problem((dtype, b, hq, hk, nq, nk, d, causal, bool(allow_fp16_accum)))
+    scale_value = 1.0 / math.sqrt(d) if scale is None else _check_scale(scale, d)
+    causal_value = bool(causal)
+    problem = _forward_problem(
+        (dtype, b, hq, hk, nq, nk, d, causal_value, bool(allow_fp16_accum))
+    )
     device = _device_info(dev)
-
-    chosen = _choose(problem, device, dev, backend, config)
-    impl = registry.get_backend(chosen.backend)
-
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        native = (
-            None
-            if return_lse
-            else _native_choice(impl, chosen.config, problem, device, backend is not None)
-        )
-        if native is not None:
-            native_backend, forward_autograd, native_config = native
-            q, k, v = _KeepGradStrides.apply(q, k, v)
-            out = forward_autograd(
-                native_backend,
-                _bhnd(q, layout),
-                _bhnd(k, layout),
-                _bhnd(v, layout),
-                config=native_config,
-                causal=causal,
-                scale=scale,
-            )
-            out = _bhnd(out, layout)
-            return out if out.is_contiguous() else out.contiguous()
-        plan = _Plan(
-            backend=impl,
-            config=chosen.config,
-            causal=causal,
-            scale=scale,
-            layout=layout,
-            problem=problem,
-            device=device,
-            forced=backend is not None,
-        )
-        out, lse = _AttentionFunction.apply(q, k, v, plan)
-    else:
-        out, lse = _run(impl, chosen.config, q, k, v, layout, causal, scale, return_lse)
+    generation = dispatch.generation
+    selection = _select(problem, device, dev, backend, config)
+    plan = _Plan(
+        backend=registry.get_backend(selection.candidate.backend),
+        config=selection.candidate.config,
+        causal=causal_value,
+        scale=scale_value,
+        layout=layout,
+        problem=problem,
+        device=device,
+        forced=backend is not None,
+    )
+    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        result = _train(plan, q, k, v, return_lse)
+        if key is not None:
+            _remember(key, generation, selection.source, plan, None)
+        return result
+    out, lse = _run(
+        plan.backend, plan.config, q, k, v, layout, causal_value, scale_value, return_lse
+    )
+    if key is not None:
+        _remember(key, generation, selection.source, plan, (q, k, v, out, lse))
     return (out, lse) if return_lse else out
+
+
+def _train(
+    plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """A call that needs gradients: the backward backend's own recorded forward when it has
+    one (see :func:`_native_choice`), else sparktune's autograd function."""
+    native = (
+        None
+        if return_lse
+        else _native_choice(plan.backend, plan.config, plan.problem, plan.device, plan.forced)
+    )
+    if native is not None:
+        native_backend, forward_autograd, native_config = native
+        out = forward_autograd(
+            native_backend,
+            _bhnd(q, plan.layout),
+            _bhnd(k, plan.layout),
+            _bhnd(v, plan.layout),
+            config=native_config,
+            causal=plan.causal,
+            scale=plan.scale,
+        )
+        if plan.layout == "bhnd":
+            return out
+        out = out.transpose(1, 2)
+        return out if out.is_contiguous() else out.contiguous()
+    out, lse = _AttentionFunction.apply(q, k, v, plan)
+    return (out, lse) if return_lse else out
+
+
+class _Hit:
+    """What a call runs again when a later call has an equal key (see :func:`attention`):
+    the key holds every property of the inputs and arguments that the checks and dispatch
+    read, so an equal key passes the same checks and gets the same kernel. Valid while
+    dispatch's generation is the one it was made in."""
+
+    __slots__ = ("generation", "source", "plan", "run")
+
+    def __init__(self, generation: int, source: str, plan: _Plan, run: Any) -> None:
+        self.generation = generation
+        self.source = source
+        self.plan = plan
+        #: (q, k, v) in the user's layout -> (out, lse) without autograd; None until a
+        #: call without autograd made it
+        self.run = run
+
+
+#: call key -> its _Hit
+_hits: dict[tuple[Any, ...], _Hit] = {}
+#: more distinct keys than this start the table afresh
+_HITS_MAX = 4096
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+_counts = dispatch._counts
+
+
+def _select(
+    problem: Problem,
+    device: DeviceInfo | None,
+    dev: torch.device,
+    backend: str | None,
+    config: str | None,
+) -> Any:
+    """The forward's Selection from dispatch, with the one-time fallback warning."""
+    selection = dispatch.select(problem, device, backend=backend, config=config)
+    chosen = selection.candidate
+    if (
+        selection.source != "forced"
+        and (device is None or chosen.backend in FALLBACK_BACKENDS)
+        and "fallback" not in _warned
+    ):
+        _warn_fallback(chosen, device, dev, stacklevel=5)
+    return selection
+
+
+def _generic_run(plan: _Plan, need_lse: bool) -> Any:
+    backend, config, layout, causal, scale = (
+        plan.backend, plan.config, plan.layout, plan.causal, plan.scale,
+    )  # fmt: skip
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+        return _run(backend, config, q, k, v, layout, causal, scale, need_lse)
+
+    return run
+
+
+def _runner(plan: _Plan, need_lse: bool, made: tuple[torch.Tensor, ...] | None) -> Any:
+    """The no-autograd forward of a hit: the backend's ``forward_runner`` for these inputs
+    when it offers one and it reproduces, bit for bit, the output ``made`` by the general
+    path on the same tensors; else the general path itself."""
+    generic = _generic_run(plan, need_lse)
+    hook = _forward_runner(plan.backend)
+    if hook is None or made is None:
+        return generic
+    q, k, v, out, lse = made
+    layout = plan.layout
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return generic  # the comparison below would synchronise a capturing stream
+    try:
+        fast = hook(
+            plan.backend,
+            _bhnd(q, layout),
+            _bhnd(k, layout),
+            _bhnd(v, layout),
+            _bhnd(out, layout),
+            config=plan.config,
+            causal=plan.causal,
+            scale=plan.scale,
+            need_lse=need_lse,
+        )
+        if fast is None:
+            return generic
+        if layout == "bhnd":
+            run = fast
+        else:
+
+            def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+                o, lse = fast(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+                return o.transpose(1, 2), lse
+
+        again, again_lse = run(q, k, v)
+        same = again.shape == out.shape and torch.equal(again, out)
+        if need_lse:
+            same = same and again_lse is not None and torch.equal(again_lse, lse)
+    except Exception as exc:  # noqa: BLE001 - the general path stays
+        log.info("sparktune: %s forward_runner failed (%s); using forward", plan.backend.name, exc)
+        return generic
+    if not same:
+        log.info(
+            "sparktune: %s forward_runner(%s) differs from its forward; using forward",
+            plan.backend.name,
+            plan.config,
+        )
+        return generic
+    return run
+
+
+def _remember(
+    key: tuple[Any, ...],
+    generation: int,
+    source: str,
+    plan: _Plan,
+    made: tuple[torch.Tensor, ...] | None,
+) -> None:
+    """Keep what this call ran for later calls with an equal key (not when dispatch's state
+    changed meanwhile: a selection made before a reload must not outlive it)."""
+    if generation != dispatch.generation:
+        return
+    old = _hits.get(key)
+    if old is not None and old.generation == generation and made is None:
+        return  # a training call: what a call without autograd made before stays
+    if len(_hits) >= _HITS_MAX:
+        _hits.clear()
+    run = None if made is None else _runner(plan, bool(key[-1]), made)
+    _hits[key] = _Hit(generation, source, plan, run)

@@ -98,6 +98,9 @@ _tables: dict[tuple[str, tuple[int, int], int, str], _Table] = {}
 _counts: dict[str, int] = dict.fromkeys(SOURCES, 0)
 #: the database dispatch reads: set by configure(); None means $SPARKTUNE_DB or the default
 _db_url: Any = None
+#: bumped whenever the selections made so far are forgotten (configure, reload, a backend
+#: registered or removed): what a caller cached from a selection is valid while it is unchanged
+generation = 0
 _warned: set[str] = set()
 
 
@@ -126,12 +129,16 @@ def reload() -> None:
 def invalidate_selections() -> None:
     """Forget the selections made so far, not the records read: the registry calls this when
     a backend is registered or removed, since which tuned records can run depends on it."""
+    global generation
     with _lock:
         _memo.clear()
+        generation += 1
 
 
 def _reset_state() -> None:
+    global generation
     _memo.clear()
+    generation += 1
     _tables.clear()
     _warned.clear()
 

@@ -372,3 +372,222 @@ def test_cached_hashes_are_the_dataclass_hashes_and_are_not_pickled():
         again = pickle.loads(pickle.dumps(obj))
         assert again == obj and hash(again) == hash(obj)
     assert pickle.loads(pickle.dumps(d)).extra == {"index": 3}
+
+
+# -- the hit table: a repeated call reuses its first call's work, and only while valid ------
+
+
+class RunnerBackend(NoopBackend):
+    """Writes a known output; its forward_runner makes the same output, or (``wrong``) another."""
+
+    name = "host-runner"
+
+    def __init__(self, wrong=False):
+        super().__init__()
+        self.wrong = wrong
+        self.runs = 0
+
+    def forward(self, q, k, v, out, *, config, causal, scale, need_lse=True):
+        self.calls += 1
+        out.fill_(1.0)
+        return torch.zeros(q.shape[:3]) if need_lse else None
+
+    def forward_runner(self, q, k, v, out, *, config, causal, scale, need_lse=True):
+        shape, stride = out.shape, out.stride()
+
+        def run(q, k, v):
+            self.runs += 1
+            o = torch.empty_strided(shape, stride, dtype=q.dtype)
+            return o.fill_(2.0 if self.wrong else 1.0), torch.zeros(q.shape[:3]) if need_lse else None
+
+        return run
+
+
+@pytest.fixture
+def runner_backend():
+    made = []
+
+    def make(wrong=False):
+        b = RunnerBackend(wrong)
+        registry.register_backend(b, replace=True)
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        registry.unregister_backend(b.name)
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_a_hit_runs_the_backends_runner_when_it_reproduces_forward(runner_backend, layout):
+    b = runner_backend()
+    q, k, v = qkv((2, 3, 17, 16))
+    if layout == "bnhd":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    first = sparktune.attention(q, k, v, backend=b.name, layout=layout)
+    assert (b.calls, b.runs) == (1, 1)  # the runner ran once, to be compared
+    for _ in range(3):
+        out = sparktune.attention(q, k, v, backend=b.name, layout=layout)
+    assert (b.calls, b.runs) == (1, 4)
+    assert out.shape == q.shape and out.is_contiguous() and torch.equal(out, first)
+
+
+def test_a_runner_that_differs_from_forward_is_not_used(runner_backend):
+    b = runner_backend(wrong=True)
+    q, k, v = qkv()
+    for _ in range(3):
+        out = sparktune.attention(q, k, v, backend=b.name)
+        assert torch.equal(out, torch.ones_like(out))
+    assert (b.calls, b.runs) == (3, 1)
+
+
+def test_a_hit_counts_and_skips_dispatch(tuned_hit, monkeypatch):
+    q, k, v = qkv()
+    sparktune.attention(q, k, v)
+    dispatch.reset_counters()
+    selects = []
+    real = dispatch.select
+    monkeypatch.setattr(dispatch, "select", lambda *a, **kw: selects.append(a) or real(*a, **kw))
+    for _ in range(4):
+        sparktune.attention(q, k, v)
+    assert not selects
+    assert dispatch.counters()["tuned"] == 4
+    assert tuned_hit.calls == 5
+
+
+def test_hits_are_forgotten_when_dispatch_forgets(tuned_hit, monkeypatch):
+    q, k, v = qkv()
+    sparktune.attention(q, k, v)
+    assert tuned_hit.calls == 1
+    dispatch.configure(None)  # no tuned record now: the heuristic default (torch math)
+    out = sparktune.attention(q, k, v)
+    assert tuned_hit.calls == 1
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), atol=2e-3, rtol=2e-2)
+    assert dispatch.counters()["default"] >= 1
+
+
+def test_registering_a_backend_forgets_hits(tuned_hit, runner_backend):
+    q, k, v = qkv()
+    sparktune.attention(q, k, v)
+    generation = dispatch.generation
+    runner_backend()
+    assert dispatch.generation != generation
+    calls = tuned_hit.calls
+    sparktune.attention(q, k, v)
+    assert tuned_hit.calls == calls + 1
+
+
+def test_a_hit_never_accepts_what_the_checks_refuse():
+    q, k, v = qkv()
+    sparktune.attention(q, k, v, scale=1.0)
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        sparktune.attention(q, k, v, scale=True)  # equal to 1.0 as a key, but refused
+    with pytest.raises(TypeError, match="same dtype"):
+        sparktune.attention(q, k.bfloat16(), v, scale=1.0)
+    with pytest.raises(ValueError, match="scale must be a finite positive number"):
+        sparktune.attention(q, k, v, scale=float("nan"))
+
+
+def test_hit_table_is_bounded(monkeypatch):
+    monkeypatch.setattr(api, "_hits", {})
+    monkeypatch.setattr(api, "_HITS_MAX", 3)
+    for n in range(1, 8):
+        sparktune.attention(*qkv((1, 1, n, 8)))
+        assert len(api._hits) <= 3
+
+
+# -- on a GPU: hits through the backends' runners give what the first call gave ---------------
+
+
+def _gpu_configs():
+    configs = [("torch", c) for c in tsdpa.CONFIGS]
+    try:
+        from sparktune.backends.spark import load_extension
+
+        mod, _ = load_extension()
+    except Exception:  # noqa: BLE001
+        mod = None
+    if mod is not None:
+        names = sorted(n for n in mod.kernels() if n.startswith("fwd_sm80_f16_d64_"))
+        configs += [("spark", n) for n in names[:2]]
+    return configs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend,config", _gpu_configs(), ids=lambda x: str(x))
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize(
+    "shape,causal", [((2, 4, 4, 33, 33), True), ((1, 8, 2, 40, 70), False)], ids=["causal", "gqa"]
+)
+def test_gpu_hits_match_the_first_call(backend, config, layout, shape, causal):
+    from sparktune.dispatch import NoKernelError
+    from tests._oracle import assert_close_to_reference
+
+    b, hq, hk, nq, nk = shape
+    d = 64
+
+    def make(h, n):
+        t = torch.randn(b, h, n, d, dtype=torch.float16, device="cuda")
+        return t if layout == "bhnd" else t.transpose(1, 2).contiguous()
+
+    def views(*ts):
+        return [t if layout == "bhnd" else t.transpose(1, 2) for t in ts]
+
+    kw = {"backend": backend, "config": config, "causal": causal, "layout": layout}
+    q, k, v = make(hq, nq), make(hk, nk), make(hk, nk)
+    try:
+        first = sparktune.attention(q, k, v, **kw)
+    except NoKernelError as exc:
+        pytest.skip(str(exc).splitlines()[0])
+    key_hits = len(api._hits)
+    again = sparktune.attention(q, k, v, **kw)
+    assert torch.equal(again, first)
+    for _ in range(2):  # new inputs, same shapes and strides: hits
+        q, k, v = make(hq, nq), make(hk, nk), make(hk, nk)
+        out, lse = sparktune.attention(q, k, v, return_lse=True, **kw)
+        out2 = sparktune.attention(q, k, v, **kw)
+        assert torch.equal(out, out2)
+        assert out2.shape == q.shape
+        if layout == "bnhd":
+            assert out2.is_contiguous()
+        assert_close_to_reference(
+            *views(out2, q, k, v), causal=causal, lse=lse, what=f"{backend}:{config} hit"
+        )
+    assert len(api._hits) >= key_hits
+    # a view whose data pointer is not 16-byte aligned, with the same strides: the general path
+    big = [torch.randn(t.numel() + 8, dtype=t.dtype, device="cuda") for t in (q, k, v)]
+    shifted = [
+        x[1 : 1 + t.numel()].view(t.shape) if t.is_contiguous() else None
+        for x, t in zip(big, (q, k, v), strict=True)
+    ]
+    if all(s is not None for s in shifted):
+        try:
+            out3 = sparktune.attention(*shifted, **kw)
+        except ValueError as exc:  # spark kernels refuse misaligned rows, and say so
+            assert backend == "spark" and "16-byte aligned" in str(exc)
+        else:
+            assert_close_to_reference(
+                *views(out3, *shifted), causal=causal, what=f"{backend}:{config} misaligned"
+            )
+
+
+def test_unhashable_arguments_take_the_full_path():
+    q, k, v = qkv()
+    out = sparktune.attention(q, k, v, causal=[])  # falsy, as bool() reads it; not a key
+    torch.testing.assert_close(out, sparktune.attention(q, k, v), atol=0, rtol=0)
+
+
+def test_a_training_call_then_inference_calls_get_the_runner(runner_backend):
+    b = runner_backend()
+    q, k, v = qkv((1, 2, 9, 16))
+    qg = q.clone().requires_grad_()
+    dispatch.reset_counters()
+    out = sparktune.attention(qg, k, v, backend=b.name)
+    with pytest.warns(RuntimeWarning, match="reference math"):  # it has no backward
+        out.sum().backward()
+    assert qg.grad is not None
+    with torch.no_grad():
+        for _ in range(3):
+            sparktune.attention(q, k, v, backend=b.name)
+    assert (b.calls, b.runs) == (2, 3)  # training forward, first inference; then the runner
+    assert dispatch.counters()["forced"] >= 4

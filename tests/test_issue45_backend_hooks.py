@@ -10,11 +10,23 @@ import inspect
 import pytest
 
 from sparktune.backends import base
-from sparktune.backends.base import OPTIONAL_HOOKS, Backend, ForwardAlloc, ForwardAutograd, Warmup
+from sparktune.backends.base import (
+    OPTIONAL_HOOKS,
+    Backend,
+    ForwardAlloc,
+    ForwardAutograd,
+    ForwardRunner,
+    Warmup,
+)
 from sparktune.backends.reference import ReferenceBackend
 from sparktune.backends.torch_sdpa import TorchSDPABackend
 
-PROTOCOLS = {"forward_alloc": ForwardAlloc, "forward_autograd": ForwardAutograd, "warmup": Warmup}
+PROTOCOLS = {
+    "forward_alloc": ForwardAlloc,
+    "forward_autograd": ForwardAutograd,
+    "forward_runner": ForwardRunner,
+    "warmup": Warmup,
+}
 
 
 def _params(fn) -> list[tuple[str, object, bool]]:
@@ -52,3 +64,11 @@ def test_torch_backend_forward_autograd_keeps_to_the_declared_signature():
     assert isinstance(TorchSDPABackend(), ForwardAutograd)
     assert not isinstance(ReferenceBackend(), ForwardAutograd)
     assert _params(TorchSDPABackend.forward_autograd) == _params(ForwardAutograd.forward_autograd)
+
+
+def test_forward_runner_hooks_keep_to_the_declared_signature():
+    from sparktune.backends.spark import SparkBackend
+
+    for cls in (TorchSDPABackend, SparkBackend):
+        assert _params(cls.forward_runner) == _params(ForwardRunner.forward_runner), cls
+    assert not isinstance(ReferenceBackend(), ForwardRunner)

@@ -12,11 +12,19 @@ if TYPE_CHECKING:
 
     from ..problem import DeviceInfo, Problem
 
-__all__ = ["OPTIONAL_HOOKS", "Backend", "Candidate", "ForwardAlloc", "ForwardAutograd", "Warmup"]
+__all__ = [
+    "OPTIONAL_HOOKS",
+    "Backend",
+    "Candidate",
+    "ForwardAlloc",
+    "ForwardAutograd",
+    "ForwardRunner",
+    "Warmup",
+]
 
 #: methods a backend may define beyond :class:`Backend`'s; they are looked up on the backend's
 #: class (``getattr(type(backend), name, None)``), so :class:`Backend` must not define them
-OPTIONAL_HOOKS = ("forward_alloc", "forward_autograd", "warmup")
+OPTIONAL_HOOKS = ("forward_alloc", "forward_autograd", "forward_runner", "warmup")
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,24 @@ class ForwardAutograd(Protocol):
 
 
 @runtime_checkable
+class ForwardRunner(Protocol):
+    """The optional ``forward_runner`` hook of a backend (see :class:`Backend`)."""
+
+    def forward_runner(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        config: str,
+        causal: bool,
+        scale: float,
+        need_lse: bool = True,
+    ) -> Any: ...
+
+
+@runtime_checkable
 class Warmup(Protocol):
     """The optional ``warmup`` hook of a backend (see :class:`Backend`)."""
 
@@ -101,6 +127,18 @@ class Backend(ABC):
         chosen by dispatch for the backward problem) and no log-sum-exp is asked for; the
         backward then runs no second forward. ``out`` has q's (B, Hq, Nq, D) shape and dtype
         with any strides, and must equal :meth:`forward`'s. (:class:`ForwardAutograd`)
+
+    ``forward_runner(q, k, v, out, *, config, causal, scale, need_lse=True) -> run``
+        A forward specialised to inputs like ``q``, ``k`` and ``v`` (their shapes, strides,
+        dtype and device; ``out`` is an example output with the strides wanted), for a call
+        that ``sparktune.attention()`` sees again: ``run(q, k, v) -> (out, lse)`` on such
+        tensors, without autograd, returns a new ``out`` (q's shape and dtype, dense) and
+        ``lse`` as :meth:`forward` does. What can be worked out once (argument lists,
+        checks that depend only on shapes and strides) is done when it is made, so that a
+        repeated call costs little more than the launch. ``sparktune.attention()`` runs it
+        once on the tensors of the call that made it and uses it only when it reproduces
+        :meth:`forward`'s output bit for bit (else :meth:`forward` stays). None: not for
+        these inputs. (:class:`ForwardRunner`)
 
     ``warmup(problem, configs=None, *, processes=1)``
         Compile ``configs`` for ``problem`` ahead of time (backends that compile on first use);

@@ -257,6 +257,58 @@ class SparkBackend(Backend):
                 mod.fwd(*args)
         return lse
 
+    def forward_runner(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        config: str,
+        causal: bool,
+        scale: float,
+        need_lse: bool = True,
+    ) -> Any:
+        """``run(q, k, v) -> (out, lse)`` for inputs with these shapes, strides, dtype and
+        device: :meth:`forward` with its argument list, stride checks and output strides
+        (``out``'s) worked out once; per call it checks the data pointers, allocates the
+        output and the log-sum-exp, and launches."""
+        import torch
+
+        mod, _ = load_extension()
+        if mod is None or not (scale > 0 and math.isfinite(scale)):
+            return None
+        b, hq, nq, d = q.shape
+        hk, nk = k.shape[1], k.shape[2]
+        strides = [t.stride() for t in (q, k, v, out)]
+        if any(st[0] % 8 or st[1] % 8 or st[2] % 8 for st in strides):
+            return None  # forward says why
+        shape, out_stride = tuple(q.shape), tuple(out.stride())
+        dtype, device = q.dtype, q.device
+        index = device.index
+        fixed = (b, hq, hk, nq, nk, d, *(st[:3] for st in strides), float(scale), bool(causal))
+        raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw_stream is None:
+            return None
+        fwd, empty_strided, empty, current = (
+            mod.fwd, torch.empty_strided, torch.empty, torch.cuda.current_device,
+        )  # fmt: skip
+        f32 = torch.float32
+        forward = functools.partial(
+            self.forward, config=config, causal=causal, scale=scale, need_lse=need_lse
+        )
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+            qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+            o = empty_strided(shape, out_stride, dtype=dtype, device=device)
+            if (qp | kp | vp) & 15 or index != current():
+                return o, forward(q, k, v, o)  # says what is misaligned; or another device
+            lse = empty((b, hq, nq), dtype=f32, device=device)
+            fwd(config, qp, kp, vp, o.data_ptr(), lse.data_ptr(), *fixed, raw_stream(index))
+            return o, lse if need_lse else None
+
+        return run
+
     def backward(
         self,
         dout: torch.Tensor,

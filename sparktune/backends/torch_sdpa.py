@@ -240,6 +240,68 @@ def _reasons(problem: Problem, config: str, device: DeviceInfo | None) -> list[s
     return reasons
 
 
+def _direct_op(
+    config: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    need_lse: bool,
+) -> Any:
+    """``f(q, k, v) -> (out, lse)`` calling the private op of ``config`` directly, for the
+    problems where SDPA hands its inputs to that op unchanged; None elsewhere."""
+    nq, nk = q.shape[2], k.shape[2]
+    group = q.shape[1] // k.shape[1]
+    if config == "math" or (causal and nq != nk) or not _strides_aligned(q, k, v):
+        return None
+    if group > 1 and config != "flash":  # only flash reads grouped k/v as they are
+        return None
+    name = {"flash": "_scaled_dot_product_flash_attention",
+            "cudnn": "_scaled_dot_product_cudnn_attention",
+            "efficient": "_scaled_dot_product_efficient_attention"}[config]  # fmt: skip
+    op = getattr(torch, name, None)
+    if op is None:
+        return None
+    b, hq = q.shape[0], q.shape[1]
+    causal = bool(causal)
+    scale = float(scale)
+
+    def lse_of(raw: torch.Tensor) -> torch.Tensor | None:
+        if not need_lse:
+            return None
+        lse = raw.squeeze(-1) if raw.dim() == 4 and raw.shape[-1] == 1 else raw
+        lse = lse[..., :nq]  # the efficient kernel pads the row count
+        if tuple(lse.shape) != (b, hq, nq):
+            raise RuntimeError(f"torch {config} returned lse of shape {tuple(raw.shape)}")
+        return lse if lse.dtype == torch.float32 else lse.float()
+
+    if config == "flash":
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+            res = op(q, k, v, 0.0, causal, False, scale=scale)
+            return res[0], lse_of(res[1])
+
+    elif config == "cudnn":
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+            res = op(q, k, v, None, need_lse, 0.0, causal, False, scale=scale)
+            return res[0], lse_of(res[1])
+
+    else:
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+            res = op(q, k, v, None, need_lse, 0.0, causal, scale=scale)
+            return res[0], lse_of(res[1])
+
+    return run
+
+
+def _strides_aligned(*tensors: torch.Tensor) -> bool:
+    elems = _ALIGN_BYTES // tensors[0].element_size()
+    return all(s % elems == 0 for t in tensors for s in t.stride()[:-1])
+
+
 def _bottom_right_mask(nq: int, nk: int, device: torch.device) -> torch.Tensor:
     """(nq, nk) boolean mask, True where query i sees key j (j <= i + nk - nq). Rows that see
     nothing are opened fully so that torch produces no NaN; the caller zeroes them."""
@@ -399,6 +461,40 @@ class TorchSDPABackend(Backend):
             with torch.no_grad():
                 return self._run(config, q, k, v, causal, scale, need_lse)
         return self._run(config, q, k, v, causal, scale, need_lse)
+
+    def forward_runner(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        config: str,
+        causal: bool,
+        scale: float,
+        need_lse: bool = True,
+    ) -> Any:
+        """``run(q, k, v) -> (out, lse)`` for inputs with these shapes, strides, dtype and
+        device, as :meth:`forward_alloc` computes it (``out`` is only an example here; SDPA
+        makes its own). For flash, cuDNN and the efficient kernel, where SDPA would pass the
+        inputs on unchanged (no mask, no copies, no repeated k/v), it calls the private op
+        SDPA itself calls, with no backend switches to flip and no selection to redo; it
+        goes the long way for an input whose data pointer is not 16-byte aligned."""
+        self._check_config(config)
+        general = functools.partial(
+            self.forward_alloc, config=config, causal=causal, scale=scale, need_lse=need_lse
+        )
+        direct = _direct_op(config, q, k, v, causal, scale, need_lse)
+        if direct is None:
+            return general
+        aligned = _ALIGN_BYTES - 1
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+            if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & aligned:
+                return general(q, k, v)
+            return direct(q, k, v)
+
+        return run
 
     def forward_autograd(
         self,
