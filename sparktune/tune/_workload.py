@@ -229,7 +229,13 @@ class Workload:
 
     def launch(self, backend: Backend, cand: Candidate, t: dict[str, torch.Tensor], *, fill: float | None = None) -> tuple[Callable[[], object], dict[str, torch.Tensor]]:
         """(fn, outputs): ``fn()`` runs the candidate once on ``t`` writing into ``outputs``
-        (pre-filled with ``fill`` when given); forward also stores the returned lse."""
+        (pre-filled with ``fill`` when given); forward also stores the returned lse.
+
+        A backward is run as a training call of ``sparktune.attention()`` runs it, so that
+        its host cost counts as it will there: the backward of the backend's own recorded
+        forward for backends that record one (PyTorch's SDPA), else (on CUDA, for timing)
+        autograd's engine through sparktune's autograd function to the backend's backward;
+        the check, and other devices, call the backend's backward directly."""
         p = self.problem
 
         def alloc(like: torch.Tensor) -> torch.Tensor:
@@ -264,6 +270,21 @@ class Workload:
 
             return bwd_native, outs
 
+        # the check (outputs pre-filled) calls the backward directly, so that an entry it
+        # leaves unwritten shows; the timing runs it as training does
+        recorded = self._recorded(backend, cand, t) if fill is None else None
+        if recorded is not None:
+            # what a training call runs when dispatch gives the backward to this candidate:
+            # autograd's engine, sparktune's autograd function, the backend's backward
+            out, leaves = recorded
+
+            def bwd_graph() -> object:
+                dq, dk, dv = torch.autograd.grad(out, leaves, t["dout"], retain_graph=True)
+                outs.update(dq=dq, dk=dk, dv=dv)
+                return None
+
+            return bwd_graph, outs
+
         def bwd() -> object:
             backend.backward(
                 t["dout"], t["q"], t["k"], t["v"], t["out"], t["lse"], outs["dq"], outs["dk"], outs["dv"],
@@ -272,6 +293,21 @@ class Workload:
             return None
 
         return bwd, outs
+
+    def _recorded(self, backend: Backend, cand: Candidate, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """(out, leaves) with the training call's backward recorded, on CUDA tensors; None
+        elsewhere (the backend's backward is then called directly)."""
+        if self.device.type != "cuda":
+            return None
+        from ..attention import recorded_for_backward
+
+        leaves = [t[n].detach().requires_grad_() for n in ("q", "k", "v")]
+        with torch.enable_grad():
+            out = recorded_for_backward(
+                backend, cand.config, *leaves, t["out"], t["lse"], causal=self.problem.causal, scale=self.scale,
+                allow_fp16_accum=self.problem.allow_fp16_accum,
+            )
+        return out, leaves
 
     def sdpa_baseline(self, t: dict[str, torch.Tensor]) -> Callable[[], object]:
         """PyTorch's default SDPA (its own backend choice) on the same inputs. Its causal mask
