@@ -185,6 +185,8 @@ class Worker:
         self.store = store
         self.run = run
         self.tuner.run = run
+        # another worker takes a study over from the database: trials are stored as they end
+        self.tuner.live_storage = True
         self.board = LeaseBoard(store, owner=owner, lease_s=lease_s)
         self.wait = wait
         self.retry_failed = retry_failed

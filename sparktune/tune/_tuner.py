@@ -345,6 +345,11 @@ class Tuner:
     by default. ``trials``/``timeout`` (seconds): the budget of one problem. ``storage``: an
     Optuna storage URL (the tuning database's, so optuna-dashboard shows the studies) or None
     for in-memory studies. ``store``: where the records go (None: nowhere).
+
+    A study runs in memory and is written to ``storage`` when it ends (its finished trials,
+    in one pass): an RDB storage costs several database round trips per trial, seconds per
+    study. With ``live_storage`` (set by the distributed :class:`Worker`, whose studies another
+    worker may take over) every trial is stored as it ends instead.
     """
 
     def __init__(
@@ -364,6 +369,7 @@ class Tuner:
         progress: ProgressFn | None = None,
         warmup_processes: int | None = None,
         run: str = "",
+        live_storage: bool = False,
     ) -> None:
         if timer is None:
             from ._timing import CudaEventTimer
@@ -395,6 +401,8 @@ class Tuner:
         self.warmup_processes = warmup_processes if warmup_processes is not None else max(1, (os.cpu_count() or 2) // 2)
         #: the name of a distributed run: its studies are its own (a new run measures anew)
         self.run = run
+        #: store each trial in ``storage`` as it ends (else the study, when it ends)
+        self.live_storage = live_storage
 
     # ------------------------------------------------------------------ planning
 
@@ -564,8 +572,9 @@ class Tuner:
             if mode == "tpe"
             else optuna.samplers.RandomSampler(seed=self.seed)
         )
+        live = self.storage is not None and (self.live_storage or resume)
         study = optuna.create_study(
-            storage=self.storage,
+            storage=self.storage if live else None,
             study_name=result.study_name,
             direction="minimize",
             sampler=sampler,
@@ -628,9 +637,35 @@ class Tuner:
                 result.baseline = self._baseline(workload)
         finally:  # what was measured is stored even when tuning stops on an error
             result.trials = asks
-            result.wall_s = time.monotonic() - start
             self._save(result)
+            if self.storage is not None and not live:
+                self._store_study(study, TrialState)
+            result.wall_s = time.monotonic() - start
         return result
+
+    def _store_study(self, study: Any, TrialState: Any) -> None:  # noqa: N803
+        """Write an in-memory study's finished trials to the Optuna storage (appended to a
+        study of the same name, as a live study would be); a failure is one warning, never
+        an error: the records are in the tuning database already."""
+        import optuna
+
+        finished = [
+            t
+            for t in study.get_trials(deepcopy=False)
+            if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+        ]
+        if not finished:
+            return
+        try:
+            target = optuna.create_study(
+                storage=self.storage,
+                study_name=study.study_name,
+                direction="minimize",
+                load_if_exists=True,
+            )
+            target.add_trials(finished)
+        except Exception as exc:  # noqa: BLE001 - the study is a view; the records are saved
+            log.warning("sparktune: the Optuna study %s was not stored: %s", study.study_name, _short(exc))
 
     @staticmethod
     def _resume(
