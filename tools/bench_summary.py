@@ -40,10 +40,16 @@ def main(argv: list[str]) -> int:
             if ratio < 0.97:
                 low.append(f"hd{k[2]} causal={int(k[3])} n={k[4]}: {ratio:.3f} (fastest {best_name})")
         gm = math.exp(sum(map(math.log, own)) / len(own)) if own else float("nan")
-        print(f"{dtype} {op}: own/flash min {min(own):.3f} geomean {gm:.3f} over {len(own)} shapes; "
-              f"dispatch/fastest min {min(disp):.3f}, {len(low)} of {len(disp)} below 0.97")
+        print(f"{dtype} {op}: own/flash min {min(own, default=float('nan')):.3f} geomean {gm:.3f} over "
+              f"{len(own)} shapes; dispatch/fastest min {min(disp, default=float('nan')):.3f}, {len(low)} "
+              f"of {len(disp)} below 0.97")
         for line in low:
             print(f"    {line}")
+        vs_flash = [(by_shape[k]["dispatch"] / by_shape[k]["flash"], k) for k in keys
+                    if "dispatch" in by_shape[k] and "flash" in by_shape[k]]
+        below = [f"hd{k[2]} causal={int(k[3])} n={k[4]}: {r:.3f}" for r, k in vs_flash if r < 1.0]
+        print(f"    dispatch/flash min {min((r for r, _ in vs_flash), default=float('nan')):.3f}, "
+              f"{len(below)} of {len(vs_flash)} below 1.0" + ("".join(f"\n      {b}" for b in below)))
         if op == "fwd+bwd":
             for k in keys:
                 c = by_shape[k]

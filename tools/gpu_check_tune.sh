@@ -10,7 +10,7 @@
 #  2. The same space measured exhaustively, and with a small TPE budget: each run's winner is
 #     timed in the exhaustive run and compared with the exhaustive best (target: within 3%).
 #  3. Host overhead of a dispatched call on a hit against calling PyTorch's SDPA directly
-#     (target: at most 5 us), with the parts (select alone, the winner's backend directly).
+#     (target: at most 5 us), with the parts (bench/host_overhead.py, with step 1's winner).
 # Everything goes to $OUT (or a temporary directory); the exit status is 1 when a target is
 # missed.
 set -euo pipefail
@@ -79,79 +79,10 @@ open(f"{out}/targets_tune.txt", "w").write("ok\n" if ok else "missed\n")
 EOF
 
 echo
-echo "== 3. host overhead of a dispatched call on a hit"
-"$PY" - "$work" "$out" <<'EOF'
-import statistics, sys, time
-import torch
-import torch.nn.functional as F
-import sparktune
-from sparktune import dispatch, registry
-from sparktune.db import Record, Store
-from sparktune.problem import DeviceInfo, Problem
-
-work, out = sys.argv[1], sys.argv[2]
-dev = DeviceInfo.from_torch("cuda")
-p = Problem("fwd", "float16", 1, 12, 12, 8192, 8192, 128, False)
-q, k, v = (torch.randn(1, 12, 8192, 128, device="cuda", dtype=torch.float16) for _ in range(3))
-
-
-def per_call_us(fn, calls=100, repeats=7):
-    """Host time of one call (the launch queue never fills: calls * kernels < its depth)."""
-    res = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        res.append((t1 - t0) / calls * 1e6)
-    return statistics.median(res)
-
-
-def measure(label, fn):
-    for _ in range(5):
-        fn()
-    us = per_call_us(fn)
-    print(f"{label:<58} {us:8.2f} us")
-    return us
-
-
-with torch.no_grad():
-    # a hit whose winner is torch:flash, so that the kernel is the one SDPA runs
-    with Store(f"{work}/overhead.sqlite3") as s:
-        s.add([Record(p, dev, dispatch.build_id(), "torch", "flash", median_ms=1.0, min_ms=1.0, max_ms=1.0, runs=1)])
-    dispatch.configure(f"{work}/overhead.sqlite3")
-    assert dispatch.select(p, dev).source == "tuned"
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    def sdpa_flash():
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v)
-
-    base = measure("F.scaled_dot_product_attention (default choice)", lambda: F.scaled_dot_product_attention(q, k, v))
-    flash = measure("F.scaled_dot_product_attention under sdpa_kernel(FLASH)", sdpa_flash)
-    sel = measure("dispatch.select() on a hit", lambda: dispatch.select(p, dev))
-    hit = measure("sparktune.attention(), hit -> torch:flash", lambda: sparktune.attention(q, k, v))
-    tb = registry.get_backend("torch")
-    o = torch.empty_like(q)
-    direct = measure("torch backend forward(config='flash') directly",
-                     lambda: tb.forward(q, k, v, o, config="flash", causal=False, scale=128 ** -0.5, need_lse=False))
-    # the tuned winner of step 1
-    dispatch.configure(f"{work}/run1.sqlite3")
-    w = dispatch.select(p, dev)
-    wb = registry.get_backend(w.candidate.backend)
-    win = measure(f"sparktune.attention(), hit -> {w.candidate.label}"[:58], lambda: sparktune.attention(q, k, v))
-    wdir = measure("  its backend's forward() directly",
-                   lambda: wb.forward(q, k, v, o, config=w.candidate.config, causal=False, scale=128 ** -0.5, need_lse=False))
-    print(f"dispatch overhead on a hit (attention -> torch:flash minus sdpa_kernel(FLASH) SDPA): {hit - flash:.2f} us "
-          f"(target <= 5); select() alone {sel:.2f} us; wrapper above the backend {hit - direct:.2f} us")
-    print(f"with the tuned winner: attention() {win:.2f} us vs its backend directly {wdir:.2f} us "
-          f"(sparktune's part {win - wdir:.2f} us); plain SDPA {base:.2f} us")
-    print("counters:", dispatch.counters())
-    ok = hit - flash <= 5
-    open(f"{out}/targets_overhead.txt", "w").write("ok\n" if ok else "missed\n")
-EOF
+echo "== 3. host overhead of a dispatched call on a hit (bench/host_overhead.py)"
+rc3=0
+"$PY" bench/host_overhead.py --db "$work/run1.sqlite3" --json "$out/host_overhead.json" || rc3=$?
+[ "$rc3" = 0 ] && echo ok > "$out/targets_overhead.txt" || echo missed > "$out/targets_overhead.txt"
 
 echo
 echo "outputs in $out"
