@@ -348,3 +348,43 @@ def test_return_lse_shape_for_bnhd():
     assert out.shape == q.shape and lse.shape == (2, 4, 17) and lse.dtype == torch.float32
     _, ref_lse = reference_attention(*(t.transpose(1, 2) for t in (q, k, v)))
     torch.testing.assert_close(lse, ref_lse.float(), rtol=1e-4, atol=1e-4)
+
+
+class CountingReference(ReferenceBackend):
+    """The reference backend, counting its backward calls."""
+
+    name = "counting-reference"
+    tunable = False
+
+    def __init__(self):
+        super().__init__()
+        self.backwards = 0
+
+    def backward(self, *args, **kw):
+        self.backwards += 1
+        return super().backward(*args, **kw)
+
+
+def test_recorded_for_backward_runs_the_training_backward():
+    """What the tuner times for a backward candidate: autograd's engine, sparktune's autograd
+    function, then that backend's backward with the config given; gradients as the math's."""
+    b = CountingReference()
+    registry.register_backend(b, replace=True)
+    try:
+        q, k, v = qkv(nq=9, nk=9)
+        dout = torch.randn_like(q)
+        out, lse = reference_attention(q, k, v, causal=True)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        rec = api.recorded_for_backward(
+            b, "float32", *leaves, out.to(q.dtype), lse.float(), causal=True, scale=16**-0.5
+        )
+        for _ in range(2):
+            grads = torch.autograd.grad(rec, leaves, dout, retain_graph=True)
+        assert b.backwards == 2
+        assert_grads_close_to_reference(grads, q, k, v, dout, causal=True)
+        with pytest.raises(NoKernelError):
+            api.recorded_for_backward(
+                b, "no-such-config", *leaves, out, lse, causal=True, scale=0.25
+            )
+    finally:
+        registry.unregister_backend(b.name)

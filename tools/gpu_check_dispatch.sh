@@ -4,14 +4,16 @@
 # root, on a GPU machine with sparktune._C built (see tools/device_prep.sh):
 #
 #   OUT=/path tools/gpu_check_dispatch.sh [SEQLENS]     # default 512,1024
+#   BENCH_ARGS="" OUT=/path tools/gpu_check_dispatch.sh # the bench over the whole sweep
 #
 # 1. A database with the shipped records (tuning_db/), less the backward records of SEQLENS.
 # 2. `sparktune tune` of the backward at SEQLENS (hd 64 and 128, causal and not, 16k tokens,
 #    12 heads): candidates are timed as a training call runs them (autograd's engine and
 #    sparktune's autograd function included).
-# 3. `sparktune bench --seqlens SEQLENS` on that database, and the targets from
-#    tools/bench_summary.py.
-# Writes retuned.jsonl (the new records, for tuning_db/), bench.json, bench.txt, summary.txt.
+# 3. tools/gpu_bench.sh on that database (`--seqlens SEQLENS`, or $BENCH_ARGS when set), and the
+#    targets from tools/bench_summary.py.
+# Writes retuned.jsonl (the new records, for tuning_db/), what gpu_bench.sh writes (bench.json,
+# bench.csv, bench.txt, charts), and summary.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -59,10 +61,10 @@ timeout 300 "$PY" -m sparktune tune --recipe "$work/recipe.yaml" --db "$work/new
 "$PY" -m sparktune db export "$out/retuned.jsonl" --db "$work/new.sqlite3"
 "$PY" -m sparktune db import "$out/retuned.jsonl" --db "$db"
 
-echo "== sparktune bench --seqlens $seqlens"
+echo "== sparktune bench (tools/gpu_bench.sh ${BENCH_ARGS---seqlens $seqlens}) on that database"
 rc=0
-timeout 360 "$PY" -m sparktune bench --seqlens "$seqlens" --db "$db" --json --no-progress \
-  > "$out/bench.json" 2> "$out/bench.log" || rc=$?
-"$PY" -m sparktune bench --from-json "$out/bench.json" > "$out/bench.txt" || true
+# shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
+OUT="$out" SPARKTUNE_DB="$db" tools/gpu_bench.sh ${BENCH_ARGS---seqlens $seqlens} > "$out/gpu_bench.txt" 2>&1 || rc=$?
+tail -3 "$out/gpu_bench.txt"
 "$PY" tools/bench_summary.py "$out/bench.json" | tee "$out/summary.txt" || true
 exit $rc
