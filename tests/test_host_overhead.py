@@ -508,7 +508,9 @@ def _gpu_configs():
     except Exception:  # noqa: BLE001
         mod = None
     if mod is not None:
-        names = sorted(n for n in mod.kernels() if n.startswith("fwd_sm80_f16_d64_"))
+        names = sorted(
+            k["name"] for k in mod.kernels() if k["name"].startswith("fwd_sm80_f16_d64_")
+        )
         configs += [("spark", n) for n in names[:2]]
     return configs
 

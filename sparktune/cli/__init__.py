@@ -46,7 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: torch's notice when autograd's GPU thread makes its first cuBLAS call: PyTorch then uses
+#: the device's primary context, as it should; the commands' output stays the results'
+_QUIET = ("Attempting to run cuBLAS, but there was no current CUDA context",)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    import warnings
+
+    for text in _QUIET:
+        warnings.filterwarnings("ignore", message=text, category=UserWarning)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "accepts_any_arguments", False):
