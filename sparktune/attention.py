@@ -847,7 +847,8 @@ def _runner(plan: _Plan, need_lse: bool, made: tuple[torch.Tensor, ...] | None) 
 
             def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
                 o, lse = fast(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-                return o.transpose(1, 2), lse
+                o = o.transpose(1, 2)
+                return (o if o.is_contiguous() else o.contiguous()), lse
 
         again, again_lse = run(q, k, v)
         same = again.shape == out.shape and torch.equal(again, out)

@@ -448,3 +448,35 @@ def test_tuning_store_that_cannot_be_read_is_a_note(tmp_path):
     broken.write_bytes(b"this is not a database" * 100)
     tuned = benchmark.TunedRecords(DEVICE, broken)
     assert tuned.note.startswith("cannot read the tuning database") and tuned.get(Problem("fwd", "float16", 1, 2, 2, 16, 16, 16, False)) == []
+
+
+def test_passes_alternate_the_order_and_keep_the_faster_median(tmp_path):
+    """Two passes: the candidates in order, then reversed; each keeps its faster pass."""
+    shape = Problem("fwd", "float16", 1, 2, 2, 16, 16, 16, False)
+    calls: list[str] = []
+    # the candidate timed first in a pass pays 3 ms, the other 1 ms
+    timer = CostTimer(lambda c, p: 3.0 if len(calls) in (1, 3) else 1.0, runs=3)
+    settings = benchmark.SweepSettings(ops=("fwd",), candidates=("math", "plain"), baseline="",
+                                       torch_device="cpu", db=str(tmp_path / "none.sqlite3"), passes=2)
+    sweep = benchmark.Sweep([shape], settings, timer=timer, device=None)
+    real = sweep._run_candidate
+
+    def run_candidate(shape, op, cand, *args):
+        calls.append(cand)
+        return real(shape, op, cand, *args)
+
+    sweep._run_candidate = run_candidate
+    report = sweep.run()
+    assert calls == ["math", "plain", "plain", "math"]
+    assert [r.candidate for r in report.rows] == ["math", "plain"]
+    for row in report.rows:
+        assert row.status == "ok" and row.passes == 2
+        assert row.median_ms == pytest.approx(1.0, rel=0.02), row
+    one = benchmark.SweepSettings(ops=("fwd",), candidates=("math", "plain"), baseline="",
+                                  torch_device="cpu", db=str(tmp_path / "none.sqlite3"), passes=1)
+    calls.clear()
+    sweep = benchmark.Sweep([shape], one, timer=timer, device=None)
+    real = sweep._run_candidate
+    sweep._run_candidate = run_candidate
+    rows = {r.candidate: r for r in sweep.run().rows}
+    assert calls == ["math", "plain"] and rows["math"].median_ms == pytest.approx(3.0, rel=0.02)

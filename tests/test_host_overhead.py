@@ -593,3 +593,10 @@ def test_a_training_call_then_inference_calls_get_the_runner(runner_backend):
             sparktune.attention(q, k, v, backend=b.name)
     assert (b.calls, b.runs) == (2, 3)  # training forward, first inference; then the runner
     assert dispatch.counters()["forced"] >= 4
+
+
+def test_bnhd_hits_are_contiguous_in_bnhd_for_backends_with_their_own_layout():
+    q, k, v = (t.transpose(1, 2).contiguous() for t in qkv((2, 3, 17, 16)))
+    for _ in range(3):  # first call, then hits through the torch backend's runner
+        out = sparktune.attention(q, k, v, layout="bnhd", backend="torch", config="math")
+        assert out.shape == q.shape and out.is_contiguous()

@@ -17,6 +17,7 @@ CSV_FIELDS: tuple[str, ...] = (
     "dtype", "op", "head_dim", "causal", "seqlen", "seqlen_k", "batch", "heads", "heads_kv",
     "candidate", "kernel", "status", "reason", "median_ms", "q1_ms", "q3_ms", "min_ms", "runs",
     "tflops", "baseline", "speedup", "peak_mem_bytes", "input_bytes", "error", "error_limit", "flops",
+    "passes",
 )
 
 _CELL = {"wrong": "WRONG", "failed": "FAIL", "unavailable": "n/a", "skipped": "skip", "not run": "-"}

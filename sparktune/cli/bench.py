@@ -60,6 +60,9 @@ def add_parser(subparsers: Any) -> None:
     timing.add_argument("--warmup-ms", type=float, default=10.0, metavar="MS", help="warm-up (default 10)")
     timing.add_argument("--rep-ms", type=float, default=50.0, metavar="MS",
                         help="timed runs fill about this long, at least 10 runs (default 50)")
+    timing.add_argument("--passes", type=int, default=2, metavar="N",
+                        help="time a shape's candidates N times, in alternating order, and keep each one's "
+                        "faster median (default 2)")
     out = p.add_argument_group("output")
     out.add_argument("--csv", metavar="PATH", help="write one row per shape, op and candidate")
     out.add_argument("--out", metavar="DIR", help="write PNG bar charts here, one per op and dtype (needs matplotlib)")
@@ -201,6 +204,8 @@ def _plan(args: argparse.Namespace) -> tuple[list[Any], Any]:
         baseline = "flash" if "flash" in cands else ""
     if args.warmup_ms < 0 or args.rep_ms <= 0:
         raise ValueError("--warmup-ms must be at least 0 and --rep-ms positive")
+    if args.passes < 1:
+        raise ValueError(f"--passes must be a positive integer, got {args.passes}")
     if args.cpu_runs < 1:
         raise ValueError("--cpu-runs must be at least 1")
     settings = SweepSettings(
@@ -212,6 +217,7 @@ def _plan(args: argparse.Namespace) -> tuple[list[Any], Any]:
         torch_device=device,
         db=args.db,
         compile_processes=max(1, min(16, (os.cpu_count() or 2) // 2)),
+        passes=args.passes,
     )
     return shapes, settings
 
