@@ -231,11 +231,14 @@ class Workload:
         """(fn, outputs): ``fn()`` runs the candidate once on ``t`` writing into ``outputs``
         (pre-filled with ``fill`` when given); forward also stores the returned lse.
 
-        A backward is run as a training call of ``sparktune.attention()`` runs it, so that
-        its host cost counts as it will there: the backward of the backend's own recorded
-        forward for backends that record one (PyTorch's SDPA), else (on CUDA, for timing)
-        autograd's engine through sparktune's autograd function to the backend's backward;
-        the check, and other devices, call the backend's backward directly."""
+        For timing on CUDA, a candidate runs as ``sparktune.attention()`` runs it, so that
+        its host cost counts as it will there: a forward as an inference call (a hit, forced
+        to the candidate: the backend's ``forward_runner``, no log-sum-exp); a backward as a
+        training call (the backward of the backend's own recorded forward for backends that
+        record one, PyTorch's SDPA; else autograd's engine through sparktune's autograd
+        function to the backend's backward). The check, and other devices, call the
+        backend's ``forward`` (with the log-sum-exp, which is checked too) or ``backward``
+        directly."""
         p = self.problem
 
         def alloc(like: torch.Tensor) -> torch.Tensor:
@@ -243,6 +246,21 @@ class Workload:
 
         if p.op == "fwd":
             outs = {"out": alloc(t["q"])}
+            if fill is None and self.device.type == "cuda":
+                # what an inference call runs: sparktune.attention() on a hit, through the
+                # backend's forward_runner where it has one (no log-sum-exp, no copy)
+                from ..attention import attention
+
+                q, k, v = t["q"], t["k"], t["v"]
+                kw = {
+                    "causal": p.causal, "scale": self.scale, "backend": backend.name,
+                    "config": cand.config, "allow_fp16_accum": p.allow_fp16_accum,
+                }  # fmt: skip
+
+                def fwd_call() -> object:
+                    return attention(q, k, v, **kw)
+
+                return fwd_call, outs
 
             def fwd() -> object:
                 lse = backend.forward(
