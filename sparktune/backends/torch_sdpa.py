@@ -248,9 +248,11 @@ def _direct_op(
     causal: bool,
     scale: float,
     need_lse: bool,
+    general: Any,
 ) -> Any:
     """``f(q, k, v) -> (out, lse)`` calling the private op of ``config`` directly, for the
-    problems where SDPA hands its inputs to that op unchanged; None elsewhere."""
+    problems where SDPA hands its inputs to that op unchanged; None elsewhere. Inputs whose
+    data pointer is not 16-byte aligned go to ``general``."""
     nq, nk = q.shape[2], k.shape[2]
     group = q.shape[1] // k.shape[1]
     if config == "math" or (causal and nq != nk) or not _strides_aligned(q, k, v):
@@ -276,23 +278,27 @@ def _direct_op(
             raise RuntimeError(f"torch {config} returned lse of shape {tuple(raw.shape)}")
         return lse if lse.dtype == torch.float32 else lse.float()
 
-    if config == "flash":
+    extra = {
+        "flash": (0.0, causal, False),
+        "cudnn": (None, need_lse, 0.0, causal, False),
+        "efficient": (None, need_lse, 0.0, causal),
+    }[config]
+    misaligned = _ALIGN_BYTES - 1
+
+    if need_lse:
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
-            res = op(q, k, v, 0.0, causal, False, scale=scale)
-            return res[0], lse_of(res[1])
-
-    elif config == "cudnn":
-
-        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
-            res = op(q, k, v, None, need_lse, 0.0, causal, False, scale=scale)
+            if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & misaligned:
+                return general(q, k, v)
+            res = op(q, k, v, *extra, scale=scale)
             return res[0], lse_of(res[1])
 
     else:
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
-            res = op(q, k, v, None, need_lse, 0.0, causal, scale=scale)
-            return res[0], lse_of(res[1])
+            if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & misaligned:
+                return general(q, k, v)
+            return op(q, k, v, *extra, scale=scale)[0], None
 
     return run
 
@@ -484,17 +490,8 @@ class TorchSDPABackend(Backend):
         general = functools.partial(
             self.forward_alloc, config=config, causal=causal, scale=scale, need_lse=need_lse
         )
-        direct = _direct_op(config, q, k, v, causal, scale, need_lse)
-        if direct is None:
-            return general
-        aligned = _ALIGN_BYTES - 1
-
-        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
-            if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & aligned:
-                return general(q, k, v)
-            return direct(q, k, v)
-
-        return run
+        direct = _direct_op(config, q, k, v, causal, scale, need_lse, general)
+        return general if direct is None else direct
 
     def forward_autograd(
         self,
