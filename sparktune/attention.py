@@ -491,15 +491,30 @@ def _op_plan(
     sizes = _sizes(q, k, v, layout)
     if sizes is None:
         sizes = _checked_sizes(q, k, v, layout)
+    return _plan_for(sizes, causal, scale, layout, backend, config, allow_fp16_accum)[0]
+
+
+def _plan_for(
+    sizes: tuple[Any, ...],
+    causal: Any,
+    scale: Any,
+    layout: str,
+    backend: str | None,
+    config: str | None,
+    allow_fp16_accum: Any,
+) -> tuple[_Plan, str]:
+    """(the plan, the source of dispatch's selection) for checked sizes: the scale checked,
+    the forward Problem, the device's fingerprint, dispatch's choice and the fallback
+    warning (which points at the caller of the caller's caller: attention()'s caller)."""
     b, hq, hk, nq, nk, d, dtype, dev = sizes
     scale = 1.0 / math.sqrt(d) if scale is None else _check_scale(scale, d)
     causal = bool(causal)
     problem = _forward_problem((dtype, b, hq, hk, nq, nk, d, causal, bool(allow_fp16_accum)))
     device = _device_info(dev)
-    chosen = _select(problem, device, dev, backend, config).candidate
-    return _Plan(
-        backend=registry.get_backend(chosen.backend),
-        config=chosen.config,
+    selection = _select(problem, device, dev, backend, config)
+    plan = _Plan(
+        backend=registry.get_backend(selection.candidate.backend),
+        config=selection.candidate.config,
         causal=causal,
         scale=scale,
         layout=layout,
@@ -507,6 +522,7 @@ def _op_plan(
         device=device,
         forced=backend is not None,
     )
+    return plan, selection.source
 
 
 class _AttentionFunction(torch.autograd.Function):
@@ -698,35 +714,16 @@ def attention(
         return traced_attention(
             q, k, v, sizes[5], causal, scale, layout, backend, config, allow_fp16_accum, return_lse
         )
-    b, hq, hk, nq, nk, d, dtype, dev = sizes
-    scale_value = 1.0 / math.sqrt(d) if scale is None else _check_scale(scale, d)
-    causal_value = bool(causal)
-    problem = _forward_problem(
-        (dtype, b, hq, hk, nq, nk, d, causal_value, bool(allow_fp16_accum))
-    )
-    device = _device_info(dev)
     generation = dispatch.generation
-    selection = _select(problem, device, dev, backend, config)
-    plan = _Plan(
-        backend=registry.get_backend(selection.candidate.backend),
-        config=selection.candidate.config,
-        causal=causal_value,
-        scale=scale_value,
-        layout=layout,
-        problem=problem,
-        device=device,
-        forced=backend is not None,
-    )
+    plan, source = _plan_for(sizes, causal, scale, layout, backend, config, allow_fp16_accum)
     if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         result = _train(plan, q, k, v, return_lse)
         if key is not None:
-            _remember(key, generation, selection.source, plan, None)
+            _remember(key, generation, source, plan, None)
         return result
-    out, lse = _run(
-        plan.backend, plan.config, q, k, v, layout, causal_value, scale_value, return_lse
-    )
+    out, lse = _run(plan.backend, plan.config, q, k, v, layout, plan.causal, plan.scale, return_lse)
     if key is not None:
-        _remember(key, generation, selection.source, plan, (q, k, v, out, lse))
+        _remember(key, generation, source, plan, (q, k, v, out, lse))
     return (out, lse) if return_lse else out
 
 
@@ -792,7 +789,8 @@ def _select(
     backend: str | None,
     config: str | None,
 ) -> Any:
-    """The forward's Selection from dispatch, with the one-time fallback warning."""
+    """The forward's Selection from dispatch, with the one-time fallback warning (pointing at
+    the caller of :func:`attention`, through :func:`_plan_for`)."""
     selection = dispatch.select(problem, device, backend=backend, config=config)
     chosen = selection.candidate
     if (
@@ -800,7 +798,7 @@ def _select(
         and (device is None or chosen.backend in FALLBACK_BACKENDS)
         and "fallback" not in _warned
     ):
-        _warn_fallback(chosen, device, dev, stacklevel=5)
+        _warn_fallback(chosen, device, dev, stacklevel=6)
     return selection
 
 
