@@ -309,6 +309,15 @@ def _native_choice(
     return (b, native, chosen.config) if native is not None else None
 
 
+def _in_layout(out: torch.Tensor, layout: str) -> torch.Tensor:
+    """A backend's own (B, H, N, D) output in the user's layout: as it is for "bhnd" (its own
+    dense strides, as F.scaled_dot_product_attention returns them), contiguous otherwise."""
+    if layout == "bhnd":
+        return out
+    out = out.transpose(1, 2)
+    return out if out.is_contiguous() else out.contiguous()
+
+
 def _new_output(q: torch.Tensor) -> torch.Tensor:
     """An uninitialised contiguous tensor of q's shape, dtype and device."""
     if type(q) is torch.Tensor:  # the same tensor as below, with less argument parsing
@@ -365,9 +374,7 @@ def _run(
             scale=scale,
             need_lse=need_lse,
         )
-        out = _bhnd(out_bhnd, layout)  # the transpose is its own inverse
-        if not out.is_contiguous():
-            out = out.contiguous()
+        out = _in_layout(out_bhnd, layout)
     if need_lse and lse is None:
         raise RuntimeError(f"backend {backend.name!r} config {config!r} returned no log-sum-exp")
     return out, lse
@@ -525,6 +532,20 @@ def _plan_for(
     return plan, selection.source
 
 
+def _gradients(ctx: Any, dout: torch.Tensor, others: int) -> tuple[torch.Tensor | None, ...]:
+    """The backward of sparktune's autograd functions (q, k, v, out and lse saved, the plan in
+    ``ctx.plan``): dq, dk and dv where asked for, then None for the ``others`` inputs."""
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _backward(ctx.plan, dout, q, k, v, out, lse)
+    need = ctx.needs_input_grad
+    return (
+        dq if need[0] else None,
+        dk if need[1] else None,
+        dv if need[2] else None,
+        *(None,) * others,
+    )
+
+
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan):  # type: ignore[override]
@@ -537,10 +558,7 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(ctx.plan, dout, q, k, v, out, lse)
-        need = ctx.needs_input_grad
-        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None)
+        return _gradients(ctx, dout, 1)  # the plan
 
 
 class _RecordedAttention(torch.autograd.Function):
@@ -556,17 +574,7 @@ class _RecordedAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(ctx.plan, dout, q, k, v, out, lse)
-        need = ctx.needs_input_grad
-        return (
-            dq if need[0] else None,
-            dk if need[1] else None,
-            dv if need[2] else None,
-            None,
-            None,
-            None,
-        )
+        return _gradients(ctx, dout, 3)  # out, lse and the plan
 
 
 def recorded_for_backward(
@@ -698,13 +706,13 @@ def attention(
         except Exception:  # noqa: BLE001 - not tensors, or unhashable arguments: checked below
             key = hit = None
         if hit is not None and hit.generation == dispatch.generation:
-            _counts[hit.source] += 1
             if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+                _counts[hit.source] += 1
                 return _train(hit.plan, q, k, v, return_lse)
-            if hit.run is not None:
+            if hit.run is not None:  # else only a training call made it: the full path below
+                _counts[hit.source] += 1
                 out, lse = hit.run(q, k, v)
                 return (out, lse) if return_lse else out
-            _counts[hit.source] -= 1  # counted again below, once
     sizes = _sizes(q, k, v, layout)
     if sizes is None:  # something is wrong (this raises and says what) or unusual
         sizes = _checked_sizes(q, k, v, layout)
@@ -719,11 +727,11 @@ def attention(
     if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         result = _train(plan, q, k, v, return_lse)
         if key is not None:
-            _remember(key, generation, source, plan, None)
+            _remember(key, generation, source, plan, return_lse, None)
         return result
     out, lse = _run(plan.backend, plan.config, q, k, v, layout, plan.causal, plan.scale, return_lse)
     if key is not None:
-        _remember(key, generation, source, plan, (q, k, v, out, lse))
+        _remember(key, generation, source, plan, return_lse, (q, k, v, out, lse))
     return (out, lse) if return_lse else out
 
 
@@ -748,10 +756,7 @@ def _train(
             causal=plan.causal,
             scale=plan.scale,
         )
-        if plan.layout == "bhnd":
-            return out
-        out = out.transpose(1, 2)
-        return out if out.is_contiguous() else out.contiguous()
+        return _in_layout(out, plan.layout)
     out, lse = _AttentionFunction.apply(q, k, v, plan)
     return (out, lse) if return_lse else out
 
@@ -813,13 +818,13 @@ def _generic_run(plan: _Plan, need_lse: bool) -> Any:
     return run
 
 
-def _runner(plan: _Plan, need_lse: bool, made: tuple[torch.Tensor, ...] | None) -> Any:
+def _runner(plan: _Plan, need_lse: bool, made: tuple[torch.Tensor, ...]) -> Any:
     """The no-autograd forward of a hit: the backend's ``forward_runner`` for these inputs
     when it offers one and it reproduces, bit for bit, the output ``made`` by the general
     path on the same tensors; else the general path itself."""
     generic = _generic_run(plan, need_lse)
     hook = _forward_runner(plan.backend)
-    if hook is None or made is None:
+    if hook is None:
         return generic
     q, k, v, out, lse = made
     layout = plan.layout
@@ -845,8 +850,7 @@ def _runner(plan: _Plan, need_lse: bool, made: tuple[torch.Tensor, ...] | None) 
 
             def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
                 o, lse = fast(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-                o = o.transpose(1, 2)
-                return (o if o.is_contiguous() else o.contiguous()), lse
+                return _in_layout(o, "bnhd"), lse
 
         again, again_lse = run(q, k, v)
         same = again.shape == out.shape and torch.equal(again, out)
@@ -870,10 +874,12 @@ def _remember(
     generation: int,
     source: str,
     plan: _Plan,
+    need_lse: Any,
     made: tuple[torch.Tensor, ...] | None,
 ) -> None:
     """Keep what this call ran for later calls with an equal key (not when dispatch's state
-    changed meanwhile: a selection made before a reload must not outlive it)."""
+    changed meanwhile: a selection made before a reload must not outlive it). ``made``: the
+    call's (q, k, v, out, lse) without autograd; None for a training call."""
     if generation != dispatch.generation:
         return
     old = _hits.get(key)
@@ -881,5 +887,5 @@ def _remember(
         return  # a training call: what a call without autograd made before stays
     if len(_hits) >= _HITS_MAX:
         _hits.clear()
-    run = None if made is None else _runner(plan, bool(key[-1]), made)
+    run = None if made is None else _runner(plan, bool(need_lse), made)
     _hits[key] = _Hit(generation, source, plan, run)
