@@ -42,6 +42,12 @@ def _smem_optin(device_index: int) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
 
 
+def _rows_misaligned(stride: Sequence[int]) -> bool:
+    """The kernels read 16-byte rows: a batch, head or row stride that is not a multiple of 8
+    elements (fp16 and bf16) breaks that."""
+    return bool(stride[0] % 8 or stride[1] % 8 or stride[2] % 8)
+
+
 def _device_index_for(device: DeviceInfo) -> int | None:
     idx = device.extra.get("index") if device.extra else None
     return int(idx) if idx is not None else None
@@ -228,7 +234,7 @@ class SparkBackend(Backend):
         ptrs, strides = [], []
         for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
             ptr, st = t.data_ptr(), t.stride()
-            if ptr % 16 or st[0] % 8 or st[1] % 8 or st[2] % 8:
+            if ptr % 16 or _rows_misaligned(st):
                 raise ValueError(
                     f"spark kernels need 16-byte aligned rows: {name}'s data pointer and its batch, "
                     f"head and row strides must be multiples of 8 elements (strides {tuple(st)})"
@@ -281,7 +287,7 @@ class SparkBackend(Backend):
         b, hq, nq, d = q.shape
         hk, nk = k.shape[1], k.shape[2]
         strides = [t.stride() for t in (q, k, v, out)]
-        if any(st[0] % 8 or st[1] % 8 or st[2] % 8 for st in strides):
+        if any(_rows_misaligned(st) for st in strides):
             return None  # forward says why
         shape, out_stride = tuple(q.shape), tuple(out.stride())
         dtype, device = q.dtype, q.device
@@ -341,7 +347,7 @@ class SparkBackend(Backend):
         for name, t in tensors:
             if t.dtype != q.dtype or t.device != q.device:
                 raise ValueError(f"{name} is {t.dtype} on {t.device}, q is {q.dtype} on {q.device}")
-            if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]) or t.stride(-1) != 1:
+            if t.data_ptr() % 16 or _rows_misaligned(t.stride()) or t.stride(-1) != 1:
                 raise ValueError(
                     f"spark kernels need 16-byte aligned rows: {name}'s data pointer and its batch, "
                     f"head and row strides must be multiples of 8 elements and its last dimension "

@@ -159,13 +159,24 @@ def _lse_op(config: str) -> tuple[Any, frozenset[str]] | None:
 
 
 def _aligned(t: torch.Tensor) -> bool:
-    if t.data_ptr() % _ALIGN_BYTES:
-        return False
-    elems = _ALIGN_BYTES // t.element_size()
-    for s in t.stride()[:-1]:
-        if s % elems:
-            return False
-    return True
+    return not t.data_ptr() % _ALIGN_BYTES and _strides_aligned(t)
+
+
+def _strides_aligned(*tensors: torch.Tensor) -> bool:
+    """Every stride but the last a multiple of 16 bytes, in every tensor."""
+    elems = _ALIGN_BYTES // tensors[0].element_size()
+    return all(s % elems == 0 for t in tensors for s in t.stride()[:-1])
+
+
+def _rows_lse(raw: torch.Tensor, b: int, hq: int, nq: int) -> torch.Tensor | None:
+    """The (B, Hq, Nq) float32 log-sum-exp from what a private SDPA op returned (a trailing
+    dimension of 1 dropped, the efficient kernel's padded rows cut), or None when it has
+    another shape."""
+    lse = raw.squeeze(-1) if raw.dim() == 4 and raw.shape[-1] == 1 else raw
+    lse = lse[..., :nq]
+    if tuple(lse.shape) != (b, hq, nq):
+        return None
+    return lse if lse.dtype == torch.float32 else lse.float()
 
 
 def _prepare(
@@ -259,24 +270,18 @@ def _direct_op(
         return None
     if group > 1 and config != "flash":  # only flash reads grouped k/v as they are
         return None
-    name = {"flash": "_scaled_dot_product_flash_attention",
-            "cudnn": "_scaled_dot_product_cudnn_attention",
-            "efficient": "_scaled_dot_product_efficient_attention"}[config]  # fmt: skip
-    op = getattr(torch, name, None)
+    op = getattr(torch, _LSE_OPS[config], None)
     if op is None:
         return None
     b, hq = q.shape[0], q.shape[1]
     causal = bool(causal)
     scale = float(scale)
 
-    def lse_of(raw: torch.Tensor) -> torch.Tensor | None:
-        if not need_lse:
-            return None
-        lse = raw.squeeze(-1) if raw.dim() == 4 and raw.shape[-1] == 1 else raw
-        lse = lse[..., :nq]  # the efficient kernel pads the row count
-        if tuple(lse.shape) != (b, hq, nq):
+    def lse_of(raw: torch.Tensor) -> torch.Tensor:
+        lse = _rows_lse(raw, b, hq, nq)
+        if lse is None:
             raise RuntimeError(f"torch {config} returned lse of shape {tuple(raw.shape)}")
-        return lse if lse.dtype == torch.float32 else lse.float()
+        return lse
 
     extra = {
         "flash": (0.0, causal, False),
@@ -301,11 +306,6 @@ def _direct_op(
             return op(q, k, v, *extra, scale=scale)[0], None
 
     return run
-
-
-def _strides_aligned(*tensors: torch.Tensor) -> bool:
-    elems = _ALIGN_BYTES // tensors[0].element_size()
-    return all(s % elems == 0 for t in tensors for s in t.stride()[:-1])
 
 
 def _bottom_right_mask(nq: int, nk: int, device: torch.device) -> torch.Tensor:
@@ -413,11 +413,8 @@ class TorchSDPABackend(Backend):
             "scale": scale,
         }
         result = packet(**{n: a for n, a in args.items() if n in names})
-        out, lse = result[0], result[1]
-        if lse.dim() == 4 and lse.shape[-1] == 1:
-            lse = lse.squeeze(-1)
-        lse = lse[..., :nq]  # the efficient kernel pads the row count
-        if tuple(lse.shape) != (b, hq, nq) or tuple(out.shape) != tuple(q.shape):
+        out, lse = result[0], _rows_lse(result[1], b, hq, nq)
+        if lse is None or tuple(out.shape) != tuple(q.shape):
             log.warning(
                 "sparktune: torch %s returned lse of shape %s for %s; computing lse separately",
                 config,
@@ -425,7 +422,7 @@ class TorchSDPABackend(Backend):
                 tuple(q.shape),
             )
             return None
-        return out, lse.float()
+        return out, lse
 
     def forward(
         self,
