@@ -273,28 +273,24 @@ class Workload:
 
             return fwd, outs
         outs = {"dq": alloc(t["q"]), "dk": alloc(t["k"]), "dv": alloc(t["v"])}
-        native = getattr(type(backend), "forward_autograd", None)
+        from ..attention import _forward_autograd
+
+        native = _forward_autograd(backend)
         if native is not None:
             # what sparktune.attention() runs when the backward is on this backend: the
             # backward of its own recorded forward (one forward, outside the timing)
             leaves = [t[n].detach().requires_grad_() for n in ("q", "k", "v")]
             with torch.enable_grad():
                 out = native(backend, *leaves, config=cand.config, causal=p.causal, scale=self.scale)
-
-            def bwd_native() -> object:
-                dq, dk, dv = torch.autograd.grad(out, leaves, t["dout"], retain_graph=True)
-                outs.update(dq=dq, dk=dk, dv=dv)
-                return None
-
-            return bwd_native, outs
-
-        # the check (outputs pre-filled) calls the backward directly, so that an entry it
-        # leaves unwritten shows; the timing runs it as training does
-        recorded = self._recorded(backend, cand, t) if fill is None else None
-        if recorded is not None:
+            graph: tuple[torch.Tensor, list[torch.Tensor]] | None = (out, leaves)
+        else:
             # what a training call runs when dispatch gives the backward to this candidate:
-            # autograd's engine, sparktune's autograd function, the backend's backward
-            out, leaves = recorded
+            # autograd's engine, sparktune's autograd function, the backend's backward. The
+            # check (outputs pre-filled) calls the backward directly, so that an entry it
+            # leaves unwritten shows.
+            graph = self._recorded(backend, cand, t) if fill is None else None
+        if graph is not None:
+            out, leaves = graph
 
             def bwd_graph() -> object:
                 dq, dk, dv = torch.autograd.grad(out, leaves, t["dout"], retain_graph=True)
