@@ -414,16 +414,17 @@ class Tuner:
         exhaustive when every candidate fits the budget."""
         return self._plan(problem)[:3]
 
-    def _plan(self, problem: Problem) -> tuple[list[Candidate], str, int, int]:
-        """:meth:`plan`, and how many of the first candidates are seeds."""
-        cands, _ = self.candidates(problem)
+    def _plan(self, problem: Problem) -> tuple[list[Candidate], str, int, int, dict[str, list[str]]]:
+        """:meth:`plan`, how many of the first candidates are seeds, and the backends left out
+        with their reasons."""
+        cands, excluded = self.candidates(problem)
         seeds = self.seeds(problem, cands)
         cands = seeds + [c for c in cands if c not in seeds]
         if not cands:
-            return [], "none", 0, 0
+            return [], "none", 0, 0, excluded
         if len(cands) <= self.trials:
-            return cands, "exhaustive", len(cands), len(seeds)
-        return cands, "tpe", self.trials, len(seeds)
+            return cands, "exhaustive", len(cands), len(seeds), excluded
+        return cands, "tpe", self.trials, len(seeds), excluded
 
     def seeds(self, problem: Problem, cands: list[Candidate]) -> list[Candidate]:
         """The candidates measured first, before TPE chooses (of ``cands``): the heuristic
@@ -556,8 +557,7 @@ class Tuner:
 
         start = time.monotonic()
         result = TuneResult(problem, self.device, build_id())
-        order, mode, planned, n_seeds = self._plan(problem)
-        result.excluded = self.candidates(problem)[1]
+        order, mode, planned, n_seeds, result.excluded = self._plan(problem)
         result.mode = mode
         if not order:
             result.stopped = "no candidate can run this problem"
