@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     out = torch.empty_like(q)
     scale = d**-0.5
     problem = Problem("fwd", args.dtype, b, h, h, n, n, d, False)
-    api = importlib.import_module("sparktune.attention")
+    plan_mod = importlib.import_module("sparktune._plan")
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         q, k, v, backend=noop.name
     )
 
-    saved_device_info = api._device_info
+    saved_device_info = plan_mod.device_info
     try:
         if device == "cuda":
             dev = DeviceInfo.from_torch(q.device)
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             # a tuned hit needs a GPU fingerprint: a stand-in for the CPU tensors
             dev = DeviceInfo("host-overhead stand-in", (9, 0), 1)
-            api._device_info = lambda _device: dev
+            plan_mod.device_info = lambda _device: dev
             hit_label = f"{noop.name}:default"
             tuned_store(work / "hit.sqlite3", problem, dev, noop.name, "default")
         dispatch.configure(work / "hit.sqlite3")
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             with torch.no_grad():
                 results.update(measure(extra, device, args.calls, args.rounds, clock))
     finally:
-        api._device_info = saved_device_info
+        plan_mod.device_info = saved_device_info
         dispatch.configure(None)
         registry.unregister_backend(noop.name)
 

@@ -28,7 +28,9 @@ from typing import Any
 
 import torch
 
-from .attention import _backward, _check_scale, _forward, _grad_buffer, _op_plan
+from ._checks import check_scale
+from ._execute import grad_buffer, run_backward, run_forward
+from ._plan import op_plan
 
 __all__ = ["attention_bwd", "attention_fwd", "traced_attention"]
 
@@ -75,8 +77,8 @@ def _bhnd_rows(q: torch.Tensor, layout: str) -> tuple[Any, Any, Any]:
 
 @torch.library.custom_op("sparktune::attention_fwd", mutates_args=(), schema=_FWD_SCHEMA)
 def attention_fwd(q, k, v, causal, scale, layout, backend, config, allow_fp16_accum, need_lse):
-    plan = _op_plan(q, k, v, causal, scale, layout, backend, config, allow_fp16_accum)
-    out, lse = _forward(plan, q, k, v, need_lse)
+    plan = op_plan(q, k, v, causal, scale, layout, backend, config, allow_fp16_accum)
+    out, lse = run_forward(plan, q, k, v, need_lse)
     if not out.is_contiguous():  # SDPA's own layout: the op's output is contiguous
         out = out.contiguous()
     if not need_lse:
@@ -99,18 +101,18 @@ def _attention_fwd_fake(
 def attention_bwd(
     dout, q, k, v, out, lse, causal, scale, layout, backend, config, allow_fp16_accum
 ):
-    plan = _op_plan(q, k, v, causal, scale, layout, backend, config, allow_fp16_accum)
+    plan = op_plan(q, k, v, causal, scale, layout, backend, config, allow_fp16_accum)
     if lse.numel() == 0:  # from a forward run with need_lse=False
-        _, lse = _forward(plan, q, k, v, True)
+        _, lse = run_forward(plan, q, k, v, True)
     with _autograd_dispatch(), torch.no_grad():  # as the eager once-differentiable backward
-        return _backward(plan, dout, q, k, v, out, lse)
+        return run_backward(plan, dout, q, k, v, out, lse)
 
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(
     dout, q, k, v, out, lse, causal, scale, layout, backend, config, allow_fp16_accum
 ):
-    return _grad_buffer(q), _grad_buffer(k), _grad_buffer(v)
+    return grad_buffer(q), grad_buffer(k), grad_buffer(v)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -153,7 +155,7 @@ def traced_attention(
     checks: the scale is checked, then one ``attention_fwd``. The log-sum-exp is computed
     when it is returned or when autograd may need it."""
     if scale is not None:
-        scale = _check_scale(scale, head_dim)
+        scale = check_scale(scale, head_dim)
     need_lse = bool(return_lse) or (
         torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     )

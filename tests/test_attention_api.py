@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import sparktune
+from sparktune import _plan as plan_mod
 from sparktune import registry
+from sparktune._autograd import recorded_for_backward
 from sparktune.backends.base import Backend
 from sparktune.backends.reference import ReferenceBackend, reference_attention
 from sparktune.dispatch import NoKernelError
@@ -29,9 +31,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:sparktune. attention runs on the
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
-    api._warned.clear()
+    plan_mod.warn_once.clear()
     yield
-    api._warned.clear()
+    plan_mod.warn_once.clear()
 
 
 def qkv(b=2, hq=4, hkv=2, nq=17, nk=33, d=16, dtype=torch.float16, requires_grad=False):
@@ -375,7 +377,7 @@ def test_recorded_for_backward_runs_the_training_backward():
         dout = torch.randn_like(q)
         out, lse = reference_attention(q, k, v, causal=True)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        rec = api.recorded_for_backward(
+        rec = recorded_for_backward(
             b, "float32", *leaves, out.to(q.dtype), lse.float(), causal=True, scale=16**-0.5
         )
         for _ in range(2):
@@ -383,7 +385,7 @@ def test_recorded_for_backward_runs_the_training_backward():
         assert b.backwards == 2
         assert_grads_close_to_reference(grads, q, k, v, dout, causal=True)
         with pytest.raises(NoKernelError):
-            api.recorded_for_backward(
+            recorded_for_backward(
                 b, "no-such-config", *leaves, out, lse, causal=True, scale=0.25
             )
     finally:

@@ -15,6 +15,8 @@ from torch import nn
 
 import sparktune
 from sparktune import _ops
+from sparktune import _plan as plan_mod
+from sparktune._execute import grad_buffer
 from sparktune.dispatch import NoKernelError
 from tests._oracle import assert_close_to_reference, assert_grads_close_to_reference
 
@@ -360,13 +362,13 @@ def test_compiled_backward_has_no_graph_break():
 
 def test_compiled_call_uses_the_op_and_eager_call_does_not(monkeypatch):
     plans = []
-    real = api._op_plan
+    real = plan_mod.op_plan
 
     def recording(*args):
         plans.append(args[3:])
         return real(*args)
 
-    monkeypatch.setattr(_ops, "_op_plan", recording)
+    monkeypatch.setattr(_ops, "op_plan", recording)
     q, k, v = make_qkv(requires_grad=True)
     eager = sparktune.attention(q, k, v, causal=True, scale=0.5)
     eager.sum().backward()
@@ -540,16 +542,16 @@ def test_gradients_of_packed_slices_are_contiguous(compiled, layout):
 
 def test_grad_buffer_rules():
     dense = torch.randn(2, 5, 3, 8).transpose(1, 2)
-    assert api._grad_buffer(dense).stride() == dense.stride()
+    assert grad_buffer(dense).stride() == dense.stride()
     packed = torch.randn(2, 5, 9, 8)[:, :, :3]
-    g = api._grad_buffer(packed)
+    g = grad_buffer(packed)
     assert g.is_contiguous() and g.shape == packed.shape
     # a non-dense tensor whose own strides torch would read as channels-last
     odd = torch.randn(2, 16, 3, 5).permute(0, 2, 3, 1)[..., :8]
-    g = api._grad_buffer(odd)
+    g = grad_buffer(odd)
     assert g.is_contiguous() and g.dtype == odd.dtype
     half = torch.randn(2, 4, 6, 8, dtype=torch.bfloat16)
-    assert api._grad_buffer(half).dtype == torch.bfloat16
+    assert grad_buffer(half).dtype == torch.bfloat16
 
 
 # -- on a GPU (run on a GPU machine; skipped here) --------------------------------------------

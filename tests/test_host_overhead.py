@@ -22,6 +22,9 @@ from sparktune.backends.base import Backend
 from sparktune.problem import DeviceInfo, Problem
 
 api = importlib.import_module("sparktune.attention")
+plan_mod = importlib.import_module("sparktune._plan")
+checks = importlib.import_module("sparktune._checks")
+hits_mod = importlib.import_module("sparktune._hits")
 
 #: a GPU fingerprint for CPU tensors, so that a tuned record can be hit without a GPU
 STAND_IN = DeviceInfo("host-overhead stand-in GPU", (9, 0), 132, driver="1", cuda="13.0")
@@ -90,7 +93,7 @@ def tuned_hit(noop, tmp_path, monkeypatch):
     from sparktune.db import Record, Store
 
     monkeypatch.setenv("SPARKTUNE_SHIPPED_DB", "")
-    monkeypatch.setattr(api, "_device_info", lambda device: STAND_IN)
+    monkeypatch.setattr(plan_mod, "device_info", lambda device: STAND_IN)
     path = tmp_path / "hit.sqlite3"
     with Store(path) as s:
         s.add(
@@ -205,7 +208,7 @@ def test_a_repeated_shape_makes_no_problem(tuned_hit, monkeypatch):
         made[(self.op, self.seqlen_q)] += 1
         post_init(self)
 
-    monkeypatch.setattr(api, "_problems", {})
+    monkeypatch.setattr(plan_mod, "_problems", {})
     monkeypatch.setattr(Problem, "__post_init__", counting)
     inputs = [qkv(), qkv((1, 2, 24, 16))]
     for q, k, v in inputs:
@@ -219,14 +222,14 @@ def test_a_repeated_shape_makes_no_problem(tuned_hit, monkeypatch):
 
 
 def test_problem_table_is_bounded(monkeypatch):
-    monkeypatch.setattr(api, "_problems", {})
-    monkeypatch.setattr(api, "_PROBLEMS_MAX", 4)
+    monkeypatch.setattr(plan_mod, "_problems", {})
+    monkeypatch.setattr(plan_mod, "_PROBLEMS_MAX", 4)
     keys = [(torch.float16, 1, 1, 1, n, n, 8, False, False) for n in range(1, 10)]
     for key in keys:
-        p = api._forward_problem(key)
+        p = plan_mod.forward_problem(key)
         assert (p.seqlen_q, p.dtype, p.op) == (key[4], "float16", "fwd")
-        assert api._forward_problem(key) is p
-    assert len(api._problems) <= 4
+        assert plan_mod.forward_problem(key) is p
+    assert len(plan_mod._problems) <= 4
 
 
 def test_cuda_device_info_is_read_once_per_device(monkeypatch):
@@ -236,12 +239,12 @@ def test_cuda_device_info_is_read_once_per_device(monkeypatch):
         reads.append(device)
         return DeviceInfo(f"GPU {device.index}", (9, 0), 132, extra={"index": device.index})
 
-    monkeypatch.setattr(api, "_cuda_infos", {})
+    monkeypatch.setattr(plan_mod, "_cuda_infos", {})
     monkeypatch.setattr(DeviceInfo, "from_torch", staticmethod(from_torch))
-    infos = [api._device_info(torch.device("cuda", i % 2)) for i in range(6)]
+    infos = [plan_mod.device_info(torch.device("cuda", i % 2)) for i in range(6)]
     assert [d.name for d in infos] == ["GPU 0", "GPU 1"] * 3
     assert len(reads) == 2
-    assert api._device_info(torch.device("cpu")) is None
+    assert plan_mod.device_info(torch.device("cpu")) is None
 
 
 def test_torch_backend_returns_sdpa_output_without_a_copy(monkeypatch):
@@ -344,9 +347,9 @@ INPUTS = [  # (q, k, v, layout)
 def test_fast_checks_agree_with_full_checks(q, k, v, layout):
     """What the fast checks accept, the full checks accept too, with the same sizes; what
     they leave undecided goes to the full checks, which raise and say why (or accept)."""
-    sizes = api._sizes(q, k, v, layout)
+    sizes = checks.quick_sizes(q, k, v, layout)
     try:
-        qb, kb, _ = api._check_inputs(q, k, v, layout)
+        qb, kb, _ = checks.check_inputs(q, k, v, layout)
     except (TypeError, ValueError):
         assert sizes is None  # the full checks raise, and say why
         return
@@ -357,7 +360,7 @@ def test_fast_checks_agree_with_full_checks(q, k, v, layout):
 
 def test_common_inputs_take_the_fast_checks():
     for q, k, v, layout in INPUTS[:2] + INPUTS[17:18] + INPUTS[19:]:
-        assert api._sizes(q, k, v, layout) is not None
+        assert checks.quick_sizes(q, k, v, layout) is not None
 
 
 def test_cached_hashes_are_the_dataclass_hashes_and_are_not_pickled():
@@ -489,11 +492,14 @@ def test_a_hit_never_accepts_what_the_checks_refuse():
 
 
 def test_hit_table_is_bounded(monkeypatch):
-    monkeypatch.setattr(api, "_hits", {})
-    monkeypatch.setattr(api, "_HITS_MAX", 3)
+    saved = dict(hits_mod.table)
+    hits_mod.table.clear()  # the one table, which attention() reads directly
+    monkeypatch.setattr(hits_mod, "_HITS_MAX", 3)
     for n in range(1, 8):
         sparktune.attention(*qkv((1, 1, n, 8)))
-        assert len(api._hits) <= 3
+        assert len(hits_mod.table) <= 3
+    hits_mod.table.clear()
+    hits_mod.table.update(saved)
 
 
 # -- on a GPU: hits through the backends' runners give what the first call gave ---------------
@@ -541,7 +547,7 @@ def test_gpu_hits_match_the_first_call(backend, config, layout, shape, causal):
         first = sparktune.attention(q, k, v, **kw)
     except NoKernelError as exc:
         pytest.skip(str(exc).splitlines()[0])
-    key_hits = len(api._hits)
+    key_hits = len(hits_mod.table)
     again = sparktune.attention(q, k, v, **kw)
     assert torch.equal(again, first)
     for _ in range(2):  # new inputs, same shapes and strides: hits
@@ -555,7 +561,7 @@ def test_gpu_hits_match_the_first_call(backend, config, layout, shape, causal):
         assert_close_to_reference(
             *views(out2, q, k, v), causal=causal, lse=lse, what=f"{backend}:{config} hit"
         )
-    assert len(api._hits) >= key_hits
+    assert len(hits_mod.table) >= key_hits
     # a view whose data pointer is not 16-byte aligned, with the same strides: the general path
     big = [torch.randn(t.numel() + 8, dtype=t.dtype, device="cuda") for t in (q, k, v)]
     shifted = [

@@ -51,9 +51,9 @@ report["selection"] = [sel.candidate.label, sel.source]
 report["explain"] = str(dispatch.explain(p, device))
 
 # end to end: attention() on tensors of that shape runs the tuned plugin kernel
-att = importlib.import_module("sparktune.attention")
-if hasattr(att, "_device_info"):
-    att._device_info = lambda dev: device
+plan = importlib.import_module("sparktune._plan")
+if hasattr(plan, "device_info"):
+    plan.device_info = lambda dev: device
     q, k, v = (torch.randn(1, 2, 64, 64, dtype=torch.float16) for _ in range(3))
     before = backend.calls["d64only"]
     out = sparktune.attention(q, k, v)

@@ -5,25 +5,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     import torch
 
     from ..problem import DeviceInfo, Problem
 
-__all__ = [
-    "OPTIONAL_HOOKS",
-    "Backend",
-    "Candidate",
-    "ForwardAlloc",
-    "ForwardAutograd",
-    "ForwardRunner",
-    "Warmup",
-]
+__all__ = ["OPTIONAL_HOOKS", "Backend", "Candidate"]
 
-#: methods a backend may define beyond :class:`Backend`'s; they are looked up on the backend's
-#: class (``getattr(type(backend), name, None)``), so :class:`Backend` must not define them
+#: methods a backend may define beyond :class:`Backend`'s required ones; :class:`Backend`
+#: declares each as a class attribute that is None, so ``type(backend).<hook> is None`` means
+#: "not offered"
 OPTIONAL_HOOKS = ("forward_alloc", "forward_autograd", "forward_runner", "warmup")
 
 
@@ -42,64 +35,6 @@ class Candidate:
         return f"{self.backend}:{self.config}"
 
 
-@runtime_checkable
-class ForwardAlloc(Protocol):
-    """The optional ``forward_alloc`` hook of a backend (see :class:`Backend`)."""
-
-    def forward_alloc(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        config: str,
-        causal: bool,
-        scale: float,
-        need_lse: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
-
-
-@runtime_checkable
-class ForwardAutograd(Protocol):
-    """The optional ``forward_autograd`` hook of a backend (see :class:`Backend`)."""
-
-    def forward_autograd(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        config: str,
-        causal: bool,
-        scale: float,
-    ) -> torch.Tensor: ...
-
-
-@runtime_checkable
-class ForwardRunner(Protocol):
-    """The optional ``forward_runner`` hook of a backend (see :class:`Backend`)."""
-
-    def forward_runner(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        *,
-        config: str,
-        causal: bool,
-        scale: float,
-        need_lse: bool = True,
-    ) -> Any: ...
-
-
-@runtime_checkable
-class Warmup(Protocol):
-    """The optional ``warmup`` hook of a backend (see :class:`Backend`)."""
-
-    def warmup(self, problem: Problem, configs: Any = None, *, processes: int = 1) -> Any: ...
-
-
 class Backend(ABC):
     """A provider of attention kernels.
 
@@ -107,8 +42,10 @@ class Backend(ABC):
     contiguous; ``out`` is preallocated by the caller in the same view form.
 
     Required: :meth:`configs`, :meth:`not_supported_reasons` and :meth:`forward`;
-    :meth:`backward` for backends that differentiate. Optional hooks, which this class does
-    not define (a backend that has one defines it on its class; see :data:`OPTIONAL_HOOKS`):
+    :meth:`backward` for backends that differentiate (which says so with
+    :attr:`has_backward`; a subclass that overrides :meth:`backward` gets True unless it says
+    otherwise). Optional hooks, declared here as None (a backend that has one defines it as a
+    method on its class; see :data:`OPTIONAL_HOOKS`):
 
     ``forward_alloc(q, k, v, *, config, causal, scale, need_lse=True) -> (out, lse)``
         :meth:`forward` writing to an output the backend allocates itself, for kernels that
@@ -118,7 +55,7 @@ class Backend(ABC):
         it is not); ``lse`` is as :meth:`forward` returns it (None allowed when ``need_lse``
         is False). It must compute exactly what :meth:`forward` computes for the same config,
         and it is called with autograd enabled as well: it must not record a graph.
-        Backends without it are called through :meth:`forward`. (:class:`ForwardAlloc`)
+        Backends without it are called through :meth:`forward`.
 
     ``forward_autograd(q, k, v, *, config, causal, scale) -> out``
         The forward recorded by PyTorch's autograd, whose backward is the backend's own from
@@ -126,7 +63,7 @@ class Backend(ABC):
         that needs gradients when the backward would run on the same backend (forced, or
         chosen by dispatch for the backward problem) and no log-sum-exp is asked for; the
         backward then runs no second forward. ``out`` has q's (B, Hq, Nq, D) shape and dtype
-        with any strides, and must equal :meth:`forward`'s. (:class:`ForwardAutograd`)
+        with any strides, and must equal :meth:`forward`'s.
 
     ``forward_runner(q, k, v, out, *, config, causal, scale, need_lse=True) -> run``
         A forward specialised to inputs like ``q``, ``k`` and ``v`` (their shapes, strides,
@@ -138,19 +75,31 @@ class Backend(ABC):
         repeated call costs little more than the launch. ``sparktune.attention()`` runs it
         once on the tensors of the call that made it and uses it only when it reproduces
         :meth:`forward`'s output bit for bit (else :meth:`forward` stays). None: not for
-        these inputs. (:class:`ForwardRunner`)
+        these inputs.
 
     ``warmup(problem, configs=None, *, processes=1)``
         Compile ``configs`` for ``problem`` ahead of time (backends that compile on first use);
         the tuner calls it before a study with the candidates it will measure, and ignores
         its result and its errors (a config that does not compile fails in its trial).
-        (:class:`Warmup`)
     """
 
     #: registry name, e.g. "spark", "triton", "torch", "reference"
     name: str = ""
     #: False for backends that are only an oracle/fallback (never tuned against)
     tunable: bool = True
+    #: the backend runs "bwd" problems (:meth:`backward`); see the class docstring
+    has_backward: ClassVar[bool] = False
+
+    # the optional hooks (documented above): None here means "not offered"
+    forward_alloc: ClassVar[Any] = None
+    forward_autograd: ClassVar[Any] = None
+    forward_runner: ClassVar[Any] = None
+    warmup: ClassVar[Any] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "has_backward" not in cls.__dict__ and "backward" in cls.__dict__:
+            cls.has_backward = True
 
     def unavailable_reasons(self) -> list[str]:
         """Why this backend cannot run at all in this process (empty when it can)."""
@@ -166,6 +115,23 @@ class Backend(ABC):
     ) -> list[str]:
         """Why ``config`` (or, with None, every config of this backend) cannot run ``problem``
         on ``device``; empty when it can."""
+
+    def runnable_reasons(
+        self, problem: Problem, config: str | None = None, device: DeviceInfo | None = None
+    ) -> list[str]:
+        """Why this backend cannot run ``config`` (None: any of its configs) for ``problem`` on
+        ``device``, all rules together: available in this process, supported, and for a "bwd"
+        problem a backward; empty when it can. A backend whose checks raise cannot run, and
+        the reason says what was raised."""
+        try:
+            reasons = list(
+                self.unavailable_reasons() or self.not_supported_reasons(problem, config, device)
+            )
+        except Exception as exc:  # noqa: BLE001 - a backend that cannot answer cannot run
+            reasons = [f"not_supported_reasons raised {type(exc).__name__}: {exc}"]
+        if not reasons and problem.op == "bwd" and not self.has_backward:
+            reasons = [f"backend {self.name!r} has no backward"]
+        return reasons
 
     def candidates(self, problem: Problem, device: DeviceInfo | None = None) -> list[Candidate]:
         if self.unavailable_reasons():

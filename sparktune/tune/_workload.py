@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .._autograd import recorded_for_backward
+from ..attention import attention
 from ..backends.reference import reference_attention, reference_attention_backward
 
 if TYPE_CHECKING:
@@ -249,8 +251,6 @@ class Workload:
             if fill is None and self.device.type == "cuda":
                 # what an inference call runs: sparktune.attention() on a hit, through the
                 # backend's forward_runner where it has one (no log-sum-exp, no copy)
-                from ..attention import attention
-
                 q, k, v = t["q"], t["k"], t["v"]
                 kw = {
                     "causal": p.causal, "scale": self.scale, "backend": backend.name,
@@ -273,9 +273,7 @@ class Workload:
 
             return fwd, outs
         outs = {"dq": alloc(t["q"]), "dk": alloc(t["k"]), "dv": alloc(t["v"])}
-        from ..attention import _forward_autograd
-
-        native = _forward_autograd(backend)
+        native = type(backend).forward_autograd
         if native is not None:
             # what sparktune.attention() runs when the backward is on this backend: the
             # backward of its own recorded forward (one forward, outside the timing)
@@ -313,8 +311,6 @@ class Workload:
         elsewhere (the backend's backward is then called directly)."""
         if self.device.type != "cuda":
             return None
-        from ..attention import recorded_for_backward
-
         leaves = [t[n].detach().requires_grad_() for n in ("q", "k", "v")]
         with torch.enable_grad():
             out = recorded_for_backward(

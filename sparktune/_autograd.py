@@ -1,0 +1,150 @@
+"""Calls that need gradients: sparktune's autograd functions, the native path where the
+backward's backend records its own forward with PyTorch's autograd, and
+:func:`recorded_for_backward`, which the tuner times."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import dispatch, registry
+from ._checks import bhnd
+from ._execute import backward_choice, in_layout, run_backward, run_forward
+from ._plan import Plan, backward_problem, device_info, forward_problem
+from .backends.base import Backend
+from .problem import DeviceInfo, Problem
+
+__all__ = ["native_choice", "recorded_for_backward", "train"]
+
+
+def native_choice(
+    backend: Backend, config: str, problem: Problem, device: DeviceInfo | None, forced: bool
+) -> tuple[Backend, Any, str] | None:
+    """(backend, its forward_autograd, config) for a call that needs gradients, where the
+    backward would run on a backend that records its forward with PyTorch's autograd: the
+    forced backend when it has the hook; else the backend dispatch chooses for the backward
+    problem, when it has the hook (its forward then runs with the backward's config, so that
+    the backward reuses what that forward saved). None: sparktune's autograd function."""
+    if forced:
+        native = type(backend).forward_autograd
+        return (backend, native, config) if native is not None else None
+    try:
+        selection = dispatch.select(backward_problem(problem), device)
+    except dispatch.NoKernelError:
+        return None
+    chosen = selection.candidate
+    b = backend if chosen.backend == backend.name else registry.get_backend(chosen.backend)
+    native = type(b).forward_autograd
+    return (b, native, chosen.config) if native is not None else None
+
+
+def _gradients(ctx: Any, dout: torch.Tensor, others: int) -> tuple[torch.Tensor | None, ...]:
+    """The backward of sparktune's autograd functions (q, k, v, out and lse saved, the plan in
+    ``ctx.plan``): dq, dk and dv where asked for, then None for the ``others`` inputs."""
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = run_backward(ctx.plan, dout, q, k, v, out, lse)
+    need = ctx.needs_input_grad
+    return (
+        dq if need[0] else None,
+        dk if need[1] else None,
+        dv if need[2] else None,
+        *(None,) * others,
+    )
+
+
+class _AttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan):  # type: ignore[override]
+        out, lse = run_forward(plan, q, k, v, need_lse=True)
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, _dlse):  # type: ignore[override]
+        return _gradients(ctx, dout, 1)  # the plan
+
+
+class _RecordedAttention(torch.autograd.Function):
+    """:class:`_AttentionFunction` with the forward's results given: its backward is the
+    same code a training step runs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, out, lse, plan):  # type: ignore[override]
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.view_as(out)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):  # type: ignore[override]
+        return _gradients(ctx, dout, 3)  # out, lse and the plan
+
+
+def recorded_for_backward(
+    backend: Backend,
+    config: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    allow_fp16_accum: bool = False,
+) -> torch.Tensor:
+    """``out`` ((B, H, N, D) tensors, q/k/v requiring gradients) recorded by autograd so
+    that its backward is what a training call of :func:`attention` runs when dispatch gives
+    the backward to ``backend:config``: autograd's engine, sparktune's autograd function and
+    its gradient buffers, then the backend's ``backward``. The tuner times backward
+    candidates this way, so that what the call path costs on the host counts. Raises
+    :class:`~sparktune.dispatch.NoKernelError` when the backend cannot run it there."""
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    problem = forward_problem((q.dtype, b, hq, hk, nq, nk, d, bool(causal), bool(allow_fp16_accum)))
+    plan = Plan(
+        backend=backend,
+        config=config,
+        causal=bool(causal),
+        scale=float(scale),
+        layout="bhnd",
+        problem=problem,
+        device=device_info(q.device),
+        forced=True,
+    )
+    chosen = backward_choice(plan)
+    if chosen is None or chosen[0] is not backend or chosen[1] != config:
+        raise dispatch.NoKernelError(
+            f"{backend.name}:{config} cannot run the backward of {problem}"
+        )
+    return _RecordedAttention.apply(q, k, v, out, lse, plan)
+
+
+def train(
+    plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """A call that needs gradients: the backward backend's own recorded forward when it has
+    one (see :func:`native_choice`), else sparktune's autograd function."""
+    native = (
+        None
+        if return_lse
+        else native_choice(plan.backend, plan.config, plan.problem, plan.device, plan.forced)
+    )
+    if native is not None:
+        native_backend, forward_autograd, native_config = native
+        out = forward_autograd(
+            native_backend,
+            bhnd(q, plan.layout),
+            bhnd(k, plan.layout),
+            bhnd(v, plan.layout),
+            config=native_config,
+            causal=plan.causal,
+            scale=plan.scale,
+        )
+        return in_layout(out, plan.layout)
+    out, lse = _AttentionFunction.apply(q, k, v, plan)
+    return (out, lse) if return_lse else out
