@@ -23,7 +23,7 @@ OPTIONAL_HOOKS = ("forward_alloc", "forward_autograd", "forward_runner", "warmup
 @dataclass(frozen=True)
 class Candidate:
     """One runnable (backend, config) pair. ``config`` is the backend's name for a kernel
-    configuration, e.g. ``fwd_sm80_f16_d128_m128n64_w4x1_acc32``; backends without
+    configuration, e.g. ``fwd_sm80_f16_d128_m128n64_w4x1_acc32_preg``; backends without
     configurations use ``"default"``."""
 
     backend: str
@@ -99,7 +99,7 @@ class Backend(ABC):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "has_backward" not in cls.__dict__ and "backward" in cls.__dict__:
-            cls.has_backward = True
+            cls.has_backward = cls.__dict__["backward"] is not Backend.backward
 
     def unavailable_reasons(self) -> list[str]:
         """Why this backend cannot run at all in this process (empty when it can)."""

@@ -197,9 +197,7 @@ def tunable_candidates(
         if not b.tunable:
             continue
         try:
-            reasons = list(b.unavailable_reasons())
-            if not reasons and problem.op == "bwd" and type(b).backward is Backend.backward:
-                reasons = ["no backward"]
+            reasons = b.runnable_reasons(problem, None, device)
             found = [] if reasons else b.candidates(problem, device)
         except Exception as exc:  # noqa: BLE001 - a broken backend is reported, not fatal
             reasons, found = [f"listing candidates raised {type(exc).__name__}: {exc}"], []
@@ -760,6 +758,3 @@ class Tuner:
         from .. import dispatch
 
         dispatch.reload()
-
-    def tune_many(self, problems: Iterable[Problem]) -> list[TuneResult]:
-        return [self.tune(p) for p in problems]
