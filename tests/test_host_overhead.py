@@ -280,7 +280,31 @@ def _flags():
     return {n: getattr(torch._C, f"_get_{n}_sdp_enabled")() for n in _backend_names}
 
 
-@pytest.mark.parametrize("config", list(tsdpa.CONFIGS))
+def test_torch_backend_auto_forces_nothing(monkeypatch):
+    """"auto" is the call a user makes: SDPA runs with the caller's own flags."""
+    seen = []
+
+    def fake(*args, **kwargs):
+        seen.append((_flags(), kwargs))
+        return torch.zeros_like(args[0])
+
+    monkeypatch.setattr(tsdpa.F, "scaled_dot_product_attention", fake)
+    q, k, v = qkv()
+    torch._C._set_sdp_use_math(False)  # a caller's own setting, kept during the call
+    try:
+        before = _flags()
+        tsdpa.TorchSDPABackend._sdpa(tsdpa.AUTO, q, k, v, False, 0.25)
+        k2, v2 = k[:, :1], v[:, :1]
+        tsdpa.TorchSDPABackend._sdpa(tsdpa.AUTO, q, k2, v2, True, 0.25)
+        assert [flags for flags, _ in seen] == [before, before]
+        assert seen[0][1] == {"scale": 0.25}
+        assert seen[1][1] == {"scale": 0.25, "is_causal": True, "enable_gqa": True}
+        assert _flags() == before
+    finally:
+        torch._C._set_sdp_use_math(True)
+
+
+@pytest.mark.parametrize("config", [c for c in tsdpa.CONFIGS if c != tsdpa.AUTO])
 def test_torch_backend_forces_sdpa_like_sdpa_kernel(config, monkeypatch):
     """The torch backend sets the same SDPA flags as ``sdpa_kernel(<backend>)`` for the call
     and restores the caller's, also when SDPA raises."""

@@ -1,8 +1,11 @@
 """PyTorch's scaled_dot_product_attention backends as sparktune candidates.
 
 Configs are the SDPA backends: "flash", "cudnn", "efficient", "math", each forced with
-``torch.nn.attention.sdpa_kernel``. The support rules below are deliberately conservative and
-named; a rule that is too strict costs a candidate, one that is too loose costs a crash.
+``torch.nn.attention.sdpa_kernel``, and "auto": the call a user makes,
+``F.scaled_dot_product_attention`` with SDPA's own choice of backend (and ``enable_gqa`` for
+grouped K/V, read as they are), so that what the user would call instead is always a
+candidate. The support rules below are deliberately conservative and named; a rule that is
+too strict costs a candidate, one that is too loose costs a crash.
 
 Semantics that differ from sparktune's and how they are bridged:
 
@@ -11,12 +14,13 @@ Semantics that differ from sparktune's and how they are bridged:
   bottom-right boolean mask; "flash" and "cudnn" do not support them.
 - Rows with no visible key (causal, seqlen_q > seqlen_k) get output 0 and lse -inf here, as
   the contract says; torch is given a harmless mask row for them and the row is zeroed after.
-- GQA: ``enable_gqa=True`` on "flash" and "math" with torch >= 2.5; otherwise k and v are
-  expanded with ``repeat_interleave`` (a copy of k and v).
+- GQA: ``enable_gqa=True`` on "auto", "flash" and "math" with torch >= 2.5; otherwise k and v
+  are expanded with ``repeat_interleave`` (a copy of k and v, inside the timed call).
 - The fused kernels read 16-byte vectors: an input whose pointer or strides are not 16-byte
   aligned (e.g. a slice starting mid-row) is copied first for "flash", "cudnn" and "efficient".
 - The log-sum-exp comes from torch's private SDPA ops that return it ("flash", "cudnn",
-  "efficient", when no mask is needed); otherwise it is
+  "efficient", when no mask is needed; "auto" takes the first of flash and efficient that
+  can run the call, since SDPA's public call returns none); otherwise it is
   computed separately in float32 by :func:`~sparktune.backends.reference.reference_lse`
   (an extra pass over Q·K^T). With ``need_lse=False`` none of this is done.
 - Backward recomputes the forward with the same SDPA backend under autograd.
@@ -27,28 +31,31 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from ..problem import DeviceInfo, Problem
 from .base import Backend
 from .reference import reference_lse
 
-if TYPE_CHECKING:
-    from ..problem import DeviceInfo, Problem
-
-__all__ = ["TorchSDPABackend", "CONFIGS"]
+__all__ = ["AUTO", "CONFIGS", "TorchSDPABackend"]
 
 log = logging.getLogger(__name__)
 
-#: config name -> torch.nn.attention.SDPBackend member
-CONFIGS: dict[str, str] = {
+#: config name -> torch.nn.attention.SDPBackend member ("auto": SDPA chooses, none forced)
+CONFIGS: dict[str, str | None] = {
     "flash": "FLASH_ATTENTION",
     "cudnn": "CUDNN_ATTENTION",
     "efficient": "EFFICIENT_ATTENTION",
     "math": "MATH",
+    "auto": None,
 }
+#: the config that is SDPA's own choice
+AUTO = "auto"
+#: the private ops "auto" takes its log-sum-exp from, in order, when one is asked for
+_AUTO_LSE_CONFIGS = ("flash", "efficient")
 #: config name -> private aten op returning (output, logsumexp, ...)
 _LSE_OPS = {
     "flash": "_scaled_dot_product_flash_attention",
@@ -74,7 +81,7 @@ CUDNN_MIN_VERSION = 90000
 #: torch version with scaled_dot_product_attention(enable_gqa=...)
 GQA_MIN_TORCH = (2, 5)
 #: configs that take enable_gqa=True (others get repeated k/v)
-GQA_NATIVE_CONFIGS = ("flash", "math")
+GQA_NATIVE_CONFIGS = ("flash", "math", "auto")
 #: byte alignment the private ops' vector loads need for pointers and strides
 _ALIGN_BYTES = 16
 
@@ -89,7 +96,8 @@ def _torch_version() -> tuple[int, int]:
 def _sdp_backend(config: str) -> Any:
     from torch.nn.attention import SDPBackend
 
-    return getattr(SDPBackend, CONFIGS[config], None)
+    member = CONFIGS[config]
+    return None if member is None else getattr(SDPBackend, member, None)
 
 
 @functools.cache
@@ -104,6 +112,8 @@ def _sdp_switches(config: str) -> tuple[tuple[Any, Any, bool], ...] | None:
     """(getter, setter, value) of every flag ``sdpa_kernel(<config's backend>)`` sets, so that
     the backend is forced without the context manager's per-call work; None where this torch
     does not expose them as ``sdpa_kernel`` itself reads them (then it is used instead)."""
+    if config == AUTO:
+        return ()
     want = _sdp_backend(config)
     if want is None:
         return None
@@ -125,6 +135,8 @@ def _sdp_switches(config: str) -> tuple[tuple[Any, Any, bool], ...] | None:
 @functools.cache
 def _config_unavailable(config: str) -> tuple[str, ...]:
     """Why this torch build cannot run ``config`` at all (device aside)."""
+    if config == AUTO:
+        return ()
     if _sdp_backend(config) is None:
         return (f"this torch ({torch.__version__}) has no SDPBackend.{CONFIGS[config]}",)
     if config == "math":
@@ -183,7 +195,7 @@ def _prepare(
     config: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inputs as the fused kernels can read them: misaligned ones copied (not for math)."""
-    if config == "math" or (_aligned(q) and _aligned(k) and _aligned(v)):
+    if config in ("math", AUTO) or (_aligned(q) and _aligned(k) and _aligned(v)):
         return q, k, v
     q, k, v = (
         t if _aligned(t) else t.clone(memory_format=torch.contiguous_format) for t in (q, k, v)
@@ -207,6 +219,10 @@ def _reasons(problem: Problem, config: str, device: DeviceInfo | None) -> list[s
         return [_unknown_config(config)]
     reasons = list(_config_unavailable(config))
     if reasons or config == "math":
+        return reasons
+    if config == AUTO:  # SDPA picks a kernel that runs, down to its math
+        if problem.dtype not in ("float16", "bfloat16"):
+            reasons.append(f"dtype {problem.dtype} (needs float16 or bfloat16)")
         return reasons
     if device is None:
         return ["needs CUDA tensors (only 'math' runs on other devices)"]
@@ -266,6 +282,8 @@ def _direct_op(
     data pointer is not 16-byte aligned go to ``general``."""
     nq, nk = q.shape[2], k.shape[2]
     group = q.shape[1] // k.shape[1]
+    if config == AUTO:
+        return _auto_op(q, k, causal, scale, need_lse)
     if config == "math" or (causal and nq != nk) or not _strides_aligned(q, k, v):
         return None
     if group > 1 and config != "flash":  # only flash reads grouped k/v as they are
@@ -304,6 +322,51 @@ def _direct_op(
             if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & misaligned:
                 return general(q, k, v)
             return op(q, k, v, *extra, scale=scale)[0], None
+
+    return run
+
+
+@functools.cache
+def _arch(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return major * 10 + minor
+
+
+def _borrowable(config: str, q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
+    """Whether "auto" may take its log-sum-exp from ``config``'s private op for these CUDA
+    tensors: the config's own rules (:func:`_reasons`) for their problem."""
+    b, hq, nq, d = q.shape
+    dtype = str(q.dtype).removeprefix("torch.")
+    if dtype not in ("float16", "bfloat16"):
+        return False
+    problem = Problem("fwd", dtype, b, hq, k.shape[1], nq, k.shape[2], d, bool(causal))
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    device = DeviceInfo("cuda", divmod(_arch(index), 10), 1)
+    return not _reasons(problem, config, device)
+
+
+def _auto_op(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, need_lse: bool
+) -> Any:
+    """``f(q, k, v) -> (out, None)``: the call a user makes, for the problems where it is all
+    that "auto" runs (no log-sum-exp, no mask, no rows to zero); None elsewhere."""
+    nq, nk = q.shape[2], k.shape[2]
+    if need_lse or (causal and nq != nk):
+        return None
+    sdpa = F.scaled_dot_product_attention
+    causal = bool(causal)
+    scale = float(scale)
+    if q.shape[1] != k.shape[1]:
+        if _torch_version() < GQA_MIN_TORCH:
+            return None
+
+        def run_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+            return sdpa(q, k, v, is_causal=causal, scale=scale, enable_gqa=True), None
+
+        return run_gqa
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+        return sdpa(q, k, v, is_causal=causal, scale=scale), None
 
     return run
 
@@ -372,6 +435,8 @@ class TorchSDPABackend(Backend):
             else:
                 k = k.repeat_interleave(group, dim=1)
                 v = v.repeat_interleave(group, dim=1)
+        if config == AUTO:  # SDPA's own choice: nothing forced
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
         switches = _sdp_switches(config)
         if switches is None or torch.compiler.is_compiling():  # compilers know sdpa_kernel
             with _sdpa_kernel()(_sdp_backend(config)):
@@ -527,7 +592,15 @@ class TorchSDPABackend(Backend):
         that need no gradient (no graph is recorded either way)."""
         self._check_config(config)
         q, k, v = _prepare(config, q, k, v)
-        fused = self._sdpa_with_lse(config, q, k, v, causal, scale) if need_lse else None
+        fused = None
+        if need_lse and config != AUTO:
+            fused = self._sdpa_with_lse(config, q, k, v, causal, scale)
+        elif need_lse and q.is_cuda:  # from the first fused kernel that runs these tensors
+            for c in _AUTO_LSE_CONFIGS:
+                if _borrowable(c, q, k, causal):
+                    fused = self._sdpa_with_lse(c, q, k, v, causal, scale)
+                    if fused is not None:
+                        break
         if fused is not None:
             o, lse = fused
         else:
