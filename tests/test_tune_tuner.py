@@ -30,7 +30,8 @@ def store(tmp_path):
 
 def _tuner(store, **kw):
     kw.setdefault("backends", ["knowncost"])
-    return Tuner(device=DEVICE, torch_device="cpu", timer=CostTimer(known_cost), store=store, **kw)
+    kw.setdefault("timer", CostTimer(known_cost))
+    return Tuner(device=DEVICE, torch_device="cpu", store=store, **kw)
 
 
 def test_picks_fastest_correct_and_records_everything(store):
@@ -216,3 +217,45 @@ def test_small_backends_are_measured_entirely_before_tpe(store):
     seeds = tuner.seeds(p, order + big + small)
     assert all(c in seeds for c in small)
     assert not any(c in seeds for c in big)
+
+
+def test_screening_times_only_finalists_fully(store, monkeypatch):
+    """A study over SCREEN_ABOVE candidates times each briefly, then fully only the finalists;
+    a short timing that still reads faster than the best full one is timed fully too, so no
+    stored timing beats the winner's."""
+    from sparktune.tune import _tuner as tuner_mod
+
+    monkeypatch.setattr(tuner_mod, "SCREEN_ABOVE", 2)
+    monkeypatch.setattr(tuner_mod, "SCREEN_KEEP", 1)
+    monkeypatch.setattr(tuner_mod, "SCREEN_FRACTION", 0.0)
+    monkeypatch.setattr(tuner_mod, "SCREEN_MARGIN", 1.0)
+    p = problem(**SMALL)
+    # the short timing misreads "slow" as the fastest and "d64only" as slower than "fast"
+    short = {"slow": 0.001, "fast": 0.002, "d64only": 0.003}
+
+    def screen_cost(candidate, problem):
+        return short.get(candidate.config, known_cost(candidate, problem))
+
+    full = CostTimer(known_cost)
+    result = _tuner(store, timer=full, screen_timer=CostTimer(screen_cost)).tune(p)
+    by = {m.candidate.config: m for m in result.measurements}
+    # "slow" was the screening's finalist; "d64only", "fast" and "medium" read faster (short)
+    # than its full timing, so they were timed fully; "long" kept its short timing
+    fully = {"slow", "fast", "medium", "d64only"}
+    assert {c for c, m in by.items() if m.status == "ok" and not m.screened} == fully
+    assert by["long"].screened and by["long"].status == "ok"
+    assert sorted(full.calls[:-1]) == sorted(f"knowncost:{c}" for c in fully)  # then the baseline
+    assert result.best.candidate.config == "d64only"
+    assert result.best.median_ms == pytest.approx(known_cost(Candidate("knowncost", "d64only"), p), rel=0.02)
+    ranked = result.ranked()
+    assert [m.screened for m in ranked] == sorted(m.screened for m in ranked)
+    assert all(m.median_ms >= result.best.median_ms for m in ranked)
+    assert result.to_json()["best"]["screened"] is False
+
+
+def test_no_screening_for_small_studies_or_when_asked(store):
+    p = problem(**SMALL)
+    screen = CostTimer(known_cost)
+    _tuner(store, screen_timer=screen).tune(p)  # 7 candidates: under SCREEN_ABOVE
+    assert screen.calls == []
+    assert _tuner(store, screen_timer=False).screen_timer is None

@@ -67,6 +67,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
                    help="skip candidates whose backend:config matches this glob (repeatable)")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs and of TPE")
+    p.add_argument("--no-screen", action="store_true",
+                   help="give every candidate a full timing (default: a study of many candidates "
+                   "times them briefly first, then fully only the finalists)")
     p.add_argument("--top", type=int, default=5, metavar="N", help="candidates shown per problem (default 5)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -189,6 +192,7 @@ def run(
             backends=backends,
             exclude=args.exclude,
             seed=args.seed,
+            screen_timer=not getattr(args, "no_screen", False),
         )
         worker = (
             Worker(

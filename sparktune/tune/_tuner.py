@@ -7,6 +7,13 @@ enqueued (exhaustive); otherwise TPE chooses after those. Each trial checks the 
 the reference first (a wrong kernel is pruned, its error recorded), then times it; a candidate
 that raises is recorded as failed and the study goes on. Every measured candidate is stored.
 
+Screening (successive halving in one step): a study of more than ``SCREEN_ABOVE`` candidates
+times each with a short timing first (the ``screen_timer``), then gives full timings only to
+the finalists: the best ``SCREEN_KEEP`` (at least ``SCREEN_FRACTION`` of those measured) and
+every candidate within ``SCREEN_MARGIN`` of the best. A candidate left with its short timing
+that still reads faster than the best finalist is timed in full too, so the winner always
+holds a full timing that no stored timing beats. The Optuna study keeps the screening values.
+
 Studies can live in the tuning database (Optuna's RDB storage). Each finished trial carries
 the whole measurement (status, run times, error and bound, host, time) as one user attribute,
 so a study that another worker started and could not finish is resumed with ``resume=True``:
@@ -31,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..backends.base import Backend, Candidate
 from ..problem import DeviceInfo, Problem
-from ._timing import Timer, Timing
+from ._timing import CudaEventTimer, Timer, Timing
 
 if TYPE_CHECKING:
     from ..db import Record, Store
@@ -58,6 +65,14 @@ SMALL_BACKEND = 4
 _ASKS_PER_TRIAL = 3
 #: messages stored for failed candidates are cut to this length
 _MAX_MESSAGE = 2000
+#: studies of more candidates than this screen them with short timings first
+SCREEN_ABOVE = 8
+#: finalists after screening: at least this many ...
+SCREEN_KEEP = 4
+#: ... and at least this fraction of the candidates timed ...
+SCREEN_FRACTION = 0.25
+#: ... and every candidate whose short timing is within this factor of the best one
+SCREEN_MARGIN = 1.15
 
 
 class TuneAborted(RuntimeError):
@@ -83,6 +98,8 @@ class Measurement:
     #: the study (None: here and now)
     host: str | None = None
     measured_at: datetime | None = None
+    #: the timing is a screening's short one (the candidate was not a finalist)
+    screened: bool = False
 
     @property
     def resumed(self) -> bool:
@@ -111,8 +128,10 @@ class TuneResult:
     stopped: str = ""
 
     def ranked(self) -> list[Measurement]:
+        """Timed candidates, fastest first: those with full timings, then those left with a
+        screening's short one."""
         ok = [m for m in self.measurements if m.status == "ok" and m.timing is not None]
-        return sorted(ok, key=lambda m: (m.timing.median_ms, m.candidate.label))  # type: ignore[union-attr]
+        return sorted(ok, key=lambda m: (m.screened, m.timing.median_ms, m.candidate.label))  # type: ignore[union-attr]
 
     @property
     def best(self) -> Measurement | None:
@@ -141,6 +160,7 @@ class TuneResult:
                 "q3_ms": q3,
                 "max_ms": t.max_ms if t else None,
                 "runs": t.runs if t else 0,
+                "screened": m.screened,
                 "tflops": m.tflops,
                 "speedup_vs_sdpa": self.speedup(m),
                 "error": m.error,
@@ -208,6 +228,21 @@ def tunable_candidates(
             excluded[name] = reasons
         cands.extend(found)
     return cands, excluded
+
+
+def _screening(timer: CudaEventTimer) -> CudaEventTimer:
+    """The short timing of a screening, for a study timed by ``timer``: a fifth of its
+    warm-up and timed runs, no second round for a wide spread, a shorter burst."""
+    return CudaEventTimer(
+        warmup_ms=timer.warmup_ms / 5,
+        rep_ms=timer.rep_ms / 5,
+        min_runs=5,
+        max_runs=timer.max_runs,
+        max_rel_iqr=math.inf,
+        flush_l2=timer.flush_l2,
+        device=timer.device,
+        burst_ms=timer.burst_ms / 4,
+    )
 
 
 def _short(exc: BaseException) -> str:
@@ -368,11 +403,14 @@ class Tuner:
         warmup_processes: int | None = None,
         run: str = "",
         live_storage: bool = False,
+        screen_timer: Timer | None | bool = True,
     ) -> None:
         if timer is None:
-            from ._timing import CudaEventTimer
-
             timer = CudaEventTimer(device=torch_device)
+        if screen_timer is True:  # the default: a short version of a CUDA-event timer
+            screen_timer = _screening(timer) if isinstance(timer, CudaEventTimer) else None
+        #: the short timing of a screening (None or False: no screening)
+        self.screen_timer = screen_timer or None
         self.device = device
         self.torch_device = torch_device
         self.timer = timer
@@ -496,7 +534,11 @@ class Tuner:
             return _short(exc)
         return ""
 
-    def _evaluate(self, workload: Any, cand: Candidate, trial_number: int) -> Measurement:
+    def _evaluate(
+        self, workload: Any, cand: Candidate, trial_number: int, timer: Timer | None = None
+    ) -> Measurement:
+        """Check ``cand`` against the reference, then time it with ``timer`` (default: the
+        full timer)."""
         import torch
 
         backend = _registered().get(cand.backend)
@@ -518,14 +560,56 @@ class Tuner:
             return Measurement(cand, "wrong", error=result.error, error_limit=result.limit, message=result.message)
         del outs
         try:
-            fresh = workload.inputs(self.seed + 1 + trial_number)
-            fn, _ = workload.launch(backend, cand, fresh)
-            with torch.no_grad():
-                timing = self.timer.measure(fn, candidate=cand, problem=workload.problem)
+            timing = self._time(workload, backend, cand, trial_number, timer or self.timer)
         except Exception as exc:  # noqa: BLE001
             return Measurement(cand, "failed", error=result.error, error_limit=result.limit, message=f"while timing: {_short(exc)}")
         tflops = workload.problem.flops() / (timing.median_ms * 1e-3) / 1e12
-        return Measurement(cand, "ok", timing, tflops, result.error, result.limit)
+        return Measurement(cand, "ok", timing, tflops, result.error, result.limit, screened=timer is not None)
+
+    def _time(self, workload: Any, backend: Backend, cand: Candidate, trial_number: int, timer: Timer) -> Timing:
+        import torch
+
+        fresh = workload.inputs(self.seed + 1 + trial_number)
+        fn, _ = workload.launch(backend, cand, fresh)
+        with torch.no_grad():
+            return timer.measure(fn, candidate=cand, problem=workload.problem)
+
+    def _finalists(self, workload: Any, result: TuneResult) -> None:
+        """Full timings for the finalists of a screening (see the module's docstring), in
+        place of their short ones; a candidate that fails its full timing is recorded as
+        failed."""
+
+        def retime(m: Measurement) -> None:
+            backend = _registered().get(m.candidate.backend)
+            try:
+                if backend is None:
+                    raise RuntimeError(f"backend {m.candidate.backend!r} is no longer registered")
+                m.timing = self._time(workload, backend, m.candidate, m.trial or 0, self.timer)
+                m.tflops = workload.problem.flops() / (m.timing.median_ms * 1e-3) / 1e12
+            except Exception as exc:  # noqa: BLE001 - a failing candidate is a result
+                m.status, m.timing, m.tflops = "failed", None, None
+                m.message = f"while timing: {_short(exc)}"
+            m.screened = False
+
+        screened = sorted(
+            (m for m in result.measurements if m.screened and m.status == "ok" and m.timing is not None),
+            key=lambda m: (m.timing.median_ms, m.candidate.label),  # type: ignore[union-attr]
+        )
+        if not screened:
+            return
+        keep = max(SCREEN_KEEP, math.ceil(SCREEN_FRACTION * len(screened)))
+        fastest = screened[0].timing.median_ms  # type: ignore[union-attr]
+        for i, m in enumerate(screened):
+            if i < keep or m.timing.median_ms <= SCREEN_MARGIN * fastest:  # type: ignore[union-attr]
+                retime(m)
+        while True:  # no short timing may read faster than the best full one
+            full = [m.timing.median_ms for m in result.measurements if m.status == "ok" and not m.screened and m.timing is not None]
+            best = min(full) if full else math.inf
+            late = [m for m in result.measurements if m.screened and m.timing is not None and m.timing.median_ms < best]
+            if not late:
+                break
+            for m in late:
+                retime(m)
 
     def _baseline(self, workload: Any) -> Timing | None:
         import torch
@@ -591,6 +675,7 @@ class Tuner:
                 study.enqueue_trial({"candidate": c.label})
         if mode == "exhaustive":
             self._warmup(problem, [c for c in order if c.label not in measured])
+        screen = self.screen_timer if planned > SCREEN_ABOVE else None
 
         workload = Workload(problem, self.torch_device, seed=self.seed)
         deadline = start + self.timeout if self.timeout is not None else None
@@ -610,7 +695,7 @@ class Tuner:
                 fresh = m is None
                 try:
                     if m is None:
-                        m = self._evaluate(workload, labels[label], trial.number)
+                        m = self._evaluate(workload, labels[label], trial.number, screen)
                         m.trial = trial.number
                         measured[label] = m
                         result.measurements.append(m)
@@ -631,6 +716,8 @@ class Tuner:
                         raise aborted
             if len(measured) < planned and not result.stopped:
                 result.stopped = f"the sampler proposed measured candidates {asks} times; {len(measured)} measured"
+            if screen is not None:
+                self._finalists(workload, result)
             if self.baseline and result.ranked():
                 result.baseline = self._baseline(workload)
         finally:  # what was measured is stored even when tuning stops on an error
