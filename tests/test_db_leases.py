@@ -112,11 +112,12 @@ def test_schema_2_is_upgraded_with_the_lease_table(tmp_path):
     Store(path).close()
     con = sqlite3.connect(path)
     con.execute("DROP TABLE sparktune_leases")
+    con.execute("ALTER TABLE sparktune_records DROP COLUMN floor_ms")  # schema 4's
     con.execute("UPDATE sparktune_meta SET value='2' WHERE key='schema_version'")
     con.commit()
     con.close()
     with Store(path, readonly=True) as s:  # read as it is, not changed
         assert s.version == 2 and s.records() == []
     with Store(path) as s:
-        assert s.version == db.SCHEMA_VERSION == 3
+        assert s.version == db.SCHEMA_VERSION == 4
         assert LeaseBoard(s).claim("w", "x") is not None

@@ -192,6 +192,20 @@ def test_explain(path, plugin):
     assert bnhd.problem == problem(causal=True)
 
 
+def test_explain_prints_only_what_was_measured(path, plugin):
+    p, q = problem(), problem(seqlen_q=512, seqlen_k=512)
+    _fill(path, [
+        record(p, config="fast", median=1.0, floor_ms=0.25),
+        # a spread that was not kept (unknown) and a median set by the burst floor
+        record(q, config="fast", median=2.0, min_ms=None, q1_ms=None, q3_ms=None, max_ms=None, floor_ms=2.0),
+    ])
+    dispatch.reload()
+    full = str(dispatch.explain(p, DEVICE))
+    assert "measured: 1 ms median, quartiles 0.99-1.01, burst floor 0.25 ms, 20 runs" in full
+    floored = str(dispatch.explain(q, DEVICE))
+    assert "measured: 2 ms median, burst floor 2 ms, 20 runs" in floored and "quartiles" not in floored
+
+
 # --------------------------------------------------------------------------- broken databases
 
 
