@@ -530,12 +530,14 @@ class Explanation:
             lines.append(f"why:      {s.detail}")
             r = s.record
             if r is not None:
+                # only what was measured: quartiles and burst floor where the record has them
                 spread = (
                     f", quartiles {r.q1_ms:.4g}-{r.q3_ms:.4g}" if r.q1_ms is not None and r.q3_ms is not None else ""
                 )
+                floor = f", burst floor {r.floor_ms:.4g} ms" if r.floor_ms is not None else ""
                 tf = f", {r.tflops:.1f} TFLOP/s" if r.tflops else ""
                 lines.append(
-                    f"measured: {r.median_ms:.4g} ms median{spread}, {r.runs} runs{tf}, on {r.host or '?'} "
+                    f"measured: {r.median_ms:.4g} ms median{spread}{floor}, {r.runs} runs{tf}, on {r.host or '?'} "
                     f"at {r.measured_at:%Y-%m-%d %H:%M} UTC (sparktune {r.version or '?'})"
                 )
         for t in self.tuned:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from datetime import datetime, timedelta, timezone
 
@@ -51,6 +52,42 @@ def record(p: Problem | None = None, *, backend="knowncost", config="fast", medi
         status=status,
         **values,
     )
+
+
+@contextlib.contextmanager
+def connection_attempts():
+    """The connections that engines try to open while active, each as its connect parameters
+    plus ``dialect``: how often a code path asks a database, counted rather than timed."""
+    import sqlalchemy as sa
+    from sqlalchemy.engine import Engine
+
+    seen: list[dict] = []
+
+    def on_connect(dialect, conn_rec, cargs, cparams):
+        seen.append({**cparams, "dialect": dialect.name})
+
+    sa.event.listen(Engine, "do_connect", on_connect)
+    try:
+        yield seen
+    finally:
+        sa.event.remove(Engine, "do_connect", on_connect)
+
+
+class ServerClock:
+    """The database server's clock as the lease table reads it, driven by the test instead of
+    by time: it stands still until :meth:`advance`, so that a lease of a fraction of a second
+    expires exactly when the test says, however slow the machine."""
+
+    def __init__(self, monkeypatch, start: float = 1_000_000.0) -> None:
+        import sys
+
+        from sparktune.db import LeaseBoard
+
+        self.now = start
+        monkeypatch.setattr(sys.modules[LeaseBoard.__module__], "server_time", lambda conn: self.now)
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 # --------------------------------------------------------------------------- the known-cost plugin

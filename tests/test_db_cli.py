@@ -74,6 +74,29 @@ def test_show_by_key_and_filters(path, capsys):
     assert code == 2 and "not a problem key" in err
 
 
+def test_show_prints_only_what_was_measured(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(db.ENV_SHIPPED, "")
+    path = tmp_path / "floor.sqlite3"
+    with Store(path) as s:
+        s.add([
+            record(problem(), config="spread", median=1.0, floor_ms=0.25),
+            record(problem(), config="floored", median=2.0, min_ms=None, q1_ms=None, q3_ms=None, max_ms=None,
+                   floor_ms=2.0),
+            record(problem(), config="older", median=3.0),  # measured before the floor was kept
+        ])
+    code, out, _ = run(capsys, "db", "show", "--db", str(path), problem_key(problem()))
+    assert code == 0
+    header = next(line for line in out.splitlines() if line.startswith("candidate"))
+    assert header.split()[:6] == ["candidate", "status", "median", "ms", "q1-q3", "ms"] and "floor ms" in header
+    rows = {line.split()[0]: line.split()[:6] for line in out.splitlines() if line.startswith("knowncost:")}
+    assert rows["knowncost:spread"] == ["knowncost:spread", "ok", "1", "0.99-1.01", "0.25", "20"]
+    assert rows["knowncost:floored"] == ["knowncost:floored", "ok", "2", "-", "2", "20"]
+    assert rows["knowncost:older"] == ["knowncost:older", "ok", "3", "2.97-3.03", "-", "20"]
+    code, out, _ = run(capsys, "db", "show", "--db", str(path), problem_key(problem()), "--json")
+    times = {json.loads(line)["config"]: json.loads(line)["time_ms"] for line in out.splitlines()}
+    assert times["floored"] == {"median": 2.0, "min": None, "max": None, "q1": None, "q3": None, "floor": 2.0}
+
+
 def test_export_import_round_trip(path, tmp_path, capsys):
     out_file = tmp_path / "out.jsonl"
     code, _, err = run(capsys, "db", "export", "--db", str(path), str(out_file))

@@ -40,6 +40,28 @@ def test_export_import_round_trip(tmp_path, store):
     assert (rep.added, rep.duplicates) == (0, len(recs))
 
 
+def test_burst_floor_and_unknown_spread_round_trip(tmp_path, store):
+    """The burst floor is a field of its own; a spread that was not kept stays unknown (null)
+    through export, import and the store; a line without ``floor`` (written before it
+    existed) reads as no floor."""
+    known = record(config="a", floor_ms=0.8)
+    unknown = record(config="b", median=2.0, min_ms=None, q1_ms=None, q3_ms=None, max_ms=None, floor_ms=2.0)
+    text = _export([known, unknown])
+    first, second = (json.loads(line)["time_ms"] for line in text.splitlines())
+    assert first["floor"] == 0.8 and first["q1"] == 0.99
+    assert second == {"median": 2.0, "min": None, "max": None, "q1": None, "q3": None, "floor": 2.0}
+    path = tmp_path / "f.jsonl"
+    path.write_text(text)
+    assert db.import_jsonl(store, path).added == 2
+    back = {r.config: r for r in store.records()}
+    assert back["a"].floor_ms == 0.8 and back["a"].q1_ms == 0.99
+    assert (back["b"].floor_ms, back["b"].min_ms, back["b"].q1_ms, back["b"].q3_ms, back["b"].max_ms) == (
+        2.0, None, None, None, None)
+    old = json.loads(_line())
+    del old["time_ms"]["floor"]
+    assert db.record_from_json(old).floor_ms is None
+
+
 def _line(**changes):
     obj = db.record_to_json(record())
     for dotted, value in changes.items():
@@ -58,6 +80,7 @@ def _line(**changes):
     ("line", "expect"),
     [
         ("{oops", "not valid JSON"),
+        (_line(time_ms__floor=-1.0), "time_ms.floor: must be a finite number >= 0"),
         ("[1, 2]", "must be an object"),
         (_line(format=99), "format: unsupported record format 99"),
         (_line(problem__head_dim=0), "problem.head_dim: must be an integer >= 1"),

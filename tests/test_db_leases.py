@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-import time
 
 import pytest
 
 from sparktune import db
 from sparktune.db import LeaseBoard, Store
 from tests._pg import pg_url  # noqa: F401 - fixture
-from tests._store_helpers import problem, record
+from tests._store_helpers import ServerClock, problem, record
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -25,15 +24,20 @@ def store(request, tmp_path):
     s.close()
 
 
-def test_claim_expire_takeover_finish(store):
+def test_claim_expire_takeover_finish(store, monkeypatch):
+    clock = ServerClock(monkeypatch)  # the lease table's clock moves only when told
     a = LeaseBoard(store, owner="host-a:1:aa", lease_s=0.5)
     b = LeaseBoard(store, owner="host-b:2:bb", lease_s=0.5)
     c = a.claim("w1", "problem one", run="r")
     assert (c.attempt, c.previous_owner) == (1, "")
     assert a.claim("w1", "problem one", run="r") == c  # repeated (e.g. after a dropped connection)
     assert b.claim("w1", "problem one", run="r") is None  # held
-    assert a.renew("w1")
-    time.sleep(0.6)  # a stops renewing: the lease expires
+    clock.advance(0.4)
+    assert a.renew("w1")  # the heartbeat: 0.5 s more from now
+    clock.advance(0.4)
+    assert b.claim("w1", "problem one", run="r") is None  # renewed: still held
+    assert b.get("w1").expires_at == pytest.approx(clock.now + 0.1)
+    clock.advance(0.2)  # a stops renewing: the lease expires
     info = b.get("w1")
     assert info.expired(b.now()) and info.owner == a.owner
     t = b.claim("w1", "problem one", run="r")
@@ -112,11 +116,12 @@ def test_schema_2_is_upgraded_with_the_lease_table(tmp_path):
     Store(path).close()
     con = sqlite3.connect(path)
     con.execute("DROP TABLE sparktune_leases")
+    con.execute("ALTER TABLE sparktune_records DROP COLUMN floor_ms")  # schema 4's
     con.execute("UPDATE sparktune_meta SET value='2' WHERE key='schema_version'")
     con.commit()
     con.close()
     with Store(path, readonly=True) as s:  # read as it is, not changed
         assert s.version == 2 and s.records() == []
     with Store(path) as s:
-        assert s.version == db.SCHEMA_VERSION == 3
+        assert s.version == db.SCHEMA_VERSION == 4
         assert LeaseBoard(s).claim("w", "x") is not None

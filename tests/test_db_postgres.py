@@ -83,6 +83,7 @@ def test_upgrade_from_schema_2(pg_url):  # noqa: F811
     eng = sa.create_engine(pg_url)
     with eng.begin() as c:
         c.exec_driver_sql("DROP TABLE sparktune_leases")
+        c.exec_driver_sql("ALTER TABLE sparktune_records DROP COLUMN floor_ms")  # schema 4's
         c.exec_driver_sql("UPDATE sparktune_meta SET value='2' WHERE key='schema_version'")
     eng.dispose()
     assert Store.upgrade_database(pg_url) == (2, db.SCHEMA_VERSION)

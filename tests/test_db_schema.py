@@ -80,6 +80,42 @@ def test_upgrade_from_v1_keeps_records(tmp_path):
     assert _version(path) == str(SCHEMA_VERSION)
 
 
+def _v3_file(tmp_path):
+    """A store as schema version 3 wrote it (no burst floor column), with one record."""
+    path = tmp_path / "v3.sqlite3"
+    with Store(path) as s:
+        s.add([record(config="v3", median=2.0)])
+    con = sqlite3.connect(path)
+    con.execute("ALTER TABLE sparktune_records DROP COLUMN floor_ms")
+    con.execute("UPDATE sparktune_meta SET value='3' WHERE key='schema_version'")
+    con.commit()
+    con.close()
+    return path
+
+
+def test_schema_3_is_read_as_it_is_and_upgraded_with_the_burst_floor(tmp_path):
+    path = _v3_file(tmp_path)
+    with Store(path, readonly=True) as s:  # read without the floor column, not changed
+        (r,) = s.records()
+        assert s.version == 3 and (r.config, r.median_ms, r.q1_ms, r.floor_ms) == ("v3", 2.0, 1.98, None)
+    assert _version(path) == "3"
+    with pytest.raises(SchemaOutdatedError):
+        Store(path, upgrade=False)
+    assert Store.upgrade_database(path) == (3, SCHEMA_VERSION)
+    with Store(path) as s:
+        (old,) = s.records()
+        # the stored times are kept as they were: no floor was recorded then
+        assert (old.uid, old.median_ms, old.min_ms, old.q1_ms, old.q3_ms, old.max_ms, old.floor_ms) == (
+            r.uid, 2.0, r.min_ms, r.q1_ms, r.q3_ms, r.max_ms, None)
+        s.add([record(config="v4", floor_ms=0.5, min_ms=None, q1_ms=None, q3_ms=None, max_ms=None)])
+        new = next(x for x in s.records() if x.config == "v4")
+        assert (new.floor_ms, new.min_ms, new.q1_ms, new.q3_ms, new.max_ms) == (0.5, None, None, None, None)
+    con = sqlite3.connect(path)
+    cols = [row[1] for row in con.execute("PRAGMA table_info(sparktune_records)")]
+    con.close()
+    assert cols.count("floor_ms") == 1 and _version(path) == str(SCHEMA_VERSION)
+
+
 def test_upgrade_not_allowed_says_how(tmp_path):
     path = _v1_file(tmp_path)
     with pytest.raises(SchemaOutdatedError, match="sparktune db upgrade"):

@@ -18,7 +18,7 @@ from sparktune.cli import tune as tune_cli
 from sparktune.db import LeaseBoard, Store, problem_key, work_id
 from sparktune.tune import CostTimer, DatabaseUnavailable, Tuner, Worker, work_label
 from tests._pg import pg_url, terminate_connections, with_password  # noqa: F401 - fixture
-from tests._store_helpers import DEVICE, known_cost, problem, registered_plugin
+from tests._store_helpers import DEVICE, ServerClock, known_cost, problem, registered_plugin
 
 SMALL = {"batch": 1, "heads_q": 1, "heads_kv": 1, "head_dim": 16}
 # four candidates, two of them timed (wrong and crash never are)
@@ -68,6 +68,14 @@ def pg_store(pg_url):  # noqa: F811
     s.close()
 
 
+@pytest.fixture
+def server_clock():
+    """The lease table's clock, moved only by the test (apart from the test's monkeypatch,
+    which _dead_attempt undoes)."""
+    with pytest.MonkeyPatch.context() as mp:
+        yield ServerClock(mp)
+
+
 def _per_candidate(store):
     counts = {}
     for r in store.records():
@@ -106,9 +114,9 @@ def test_two_workers_divide_and_a_rerun_skips(sqlite_store):
     assert (sel.candidate.label, sel.source) == ("knowncost:fast", "tuned")
 
 
-def _dead_attempt(store, p, *, finish_trials, monkeypatch):
-    """What a worker killed mid-study leaves behind: its lease (expired at once), its study
-    with ``finish_trials`` finished trials and one still running."""
+def _dead_attempt(store, p, *, finish_trials, monkeypatch, clock):
+    """What a worker killed mid-study leaves behind: its lease (expired, ``clock`` moved past
+    it), its study with ``finish_trials`` finished trials and one still running."""
     dead = _worker(store, lease_s=0.05)
     tuner = dead.tuner
     order, _, _ = tuner.plan(p)
@@ -128,12 +136,13 @@ def _dead_attempt(store, p, *, finish_trials, monkeypatch):
     with pytest.raises(SystemExit):
         tuner.tune(p, resume=True)
     monkeypatch.undo()
+    clock.advance(0.1)  # no heartbeat comes: the lease expires
     return dead, seen
 
 
-def test_takeover_resumes_the_dead_workers_study(sqlite_store, monkeypatch):
+def test_takeover_resumes_the_dead_workers_study(sqlite_store, monkeypatch, server_clock):
     p = _problems(1)[0]
-    dead, seen = _dead_attempt(sqlite_store, p, finish_trials=1, monkeypatch=monkeypatch)
+    dead, seen = _dead_attempt(sqlite_store, p, finish_trials=1, monkeypatch=monkeypatch, clock=server_clock)
     # the trial that was running when it died is RUNNING in the study, and nothing is committed
     assert sqlite_store.records(problem=p) == []
     storage = optuna.storages.RDBStorage(sqlite_store.url.render_as_string(hide_password=False))
@@ -158,8 +167,9 @@ def test_takeover_resumes_the_dead_workers_study(sqlite_store, monkeypatch):
     assert (lease.state, lease.owner, lease.attempts, lease.records) == ("done", taker.owner, 2, 4)
 
 
-def test_a_worker_that_lost_its_lease_cannot_commit(sqlite_store):
+def test_a_worker_that_lost_its_lease_cannot_commit(sqlite_store, server_clock):
     p = _problems(1)[0]
+    clock = server_clock
     slow = _worker(sqlite_store, lease_s=0.3)
     other = _worker(sqlite_store)
 
@@ -167,9 +177,7 @@ def test_a_worker_that_lost_its_lease_cannot_commit(sqlite_store):
         if n == 1:  # the heartbeat is late (a stalled process): the lease is taken over meanwhile
             slow_hb_lost = other.board.claim(*_work(slow, p))
             assert slow_hb_lost is None  # not yet: the lease is still alive
-            import time
-
-            time.sleep(0.4)
+            clock.advance(0.4)
             taken = other.board.claim(*_work(slow, p))
             assert taken is not None and taken.previous_owner == slow.owner
 

@@ -12,7 +12,7 @@ from optuna.trial import TrialState
 from sparktune import dispatch
 from sparktune.backends.base import Candidate
 from sparktune.db import Store
-from sparktune.tune import CostTimer, Tuner
+from sparktune.tune import CostTimer, Timing, Tuner
 from tests._store_helpers import DEVICE, known_cost, problem, registered_plugin
 
 # small shapes: the reference check runs on the CPU
@@ -259,3 +259,33 @@ def test_no_screening_for_small_studies_or_when_asked(store):
     _tuner(store, screen_timer=screen).tune(p)  # 7 candidates: under SCREEN_ABOVE
     assert screen.calls == []
     assert _tuner(store, screen_timer=False).screen_timer is None
+
+
+class _FlooredTimer(CostTimer):
+    """Known costs, with a burst floor 1.5x the cost for the fast kernel (its launch costs more
+    than its GPU time) and 0.5x for the others."""
+
+    def measure(self, fn, *, candidate=None, problem):
+        t = super().measure(fn, candidate=candidate, problem=problem)
+        factor = 1.5 if candidate is not None and candidate.config == "fast" else 0.5
+        return Timing.of(t.times_ms, floor_ms=factor * t.runs_median_ms)
+
+
+def test_the_burst_floor_is_stored_apart_from_the_runs(store):
+    p = problem(**SMALL)
+    result = Tuner(device=DEVICE, torch_device="cpu", timer=_FlooredTimer(known_cost), store=store,
+                   backends=["knowncost"], storage=store.url).tune(p)
+    by = {r.config: r for r in store.records(problem=p)}
+    fast, medium = by["fast"], by["medium"]
+    # the runs as measured: a spread around the cost, not copies of the median
+    assert fast.min_ms < fast.q1_ms < fast.q3_ms < fast.max_ms < fast.median_ms
+    assert fast.floor_ms == pytest.approx(1.5 * known_cost(Candidate("knowncost", "fast"), p))
+    assert fast.median_ms == pytest.approx(fast.floor_ms)  # ranked at the floor
+    assert medium.floor_ms < medium.min_ms and medium.q1_ms < medium.median_ms < medium.q3_ms
+    assert by["wrong"].floor_ms is None and by["crash"].floor_ms is None
+    # a study taken over keeps the floor (it is in the trials' attributes)
+    again = Tuner(device=DEVICE, torch_device="cpu", timer=CostTimer(lambda c, q: None), store=None,
+                  backends=["knowncost"], storage=store.url).tune(p, resume=True)
+    resumed = {m.candidate.config: m for m in again.measurements}
+    assert resumed["fast"].timing == next(m for m in result.measurements if m.candidate.config == "fast").timing
+    assert resumed["fast"].timing.floor_ms == pytest.approx(fast.floor_ms)

@@ -365,7 +365,10 @@ def _show(args: argparse.Namespace) -> int:
     print(f"database: {where}")
     group = None
     rows: list[list[str]] = []
-    header = ["candidate", "status", "median ms", "q1-q3 ms", "runs", "TFLOP/s", "error/bound", "measured", "host", "message"]
+    header = [
+        "candidate", "status", "median ms", "q1-q3 ms", "floor ms", "runs", "TFLOP/s", "error/bound", "measured", "host",
+        "message",
+    ]
 
     def flush() -> None:
         if rows:
@@ -378,10 +381,11 @@ def _show(args: argparse.Namespace) -> int:
             flush()
             group = g
             print(f"\n{g[0]}  on {g[1]} (driver {r.device.driver or '?'}, CUDA {r.device.cuda or '?'}), build {g[2]}, from {g[3]}")
-        spread = f"{_fmt(r.q1_ms)}-{_fmt(r.q3_ms)}" if r.q1_ms is not None else "-"
+        # only what was measured: "-" where the runs' quartiles or the burst floor are not known
+        spread = f"{_fmt(r.q1_ms)}-{_fmt(r.q3_ms)}" if r.q1_ms is not None and r.q3_ms is not None else "-"
         err = f"{_fmt(r.error, '.2g')}/{_fmt(r.error_limit, '.2g')}" if r.error is not None else "-"
         rows.append([
-            r.label, r.status, _fmt(r.median_ms), spread, str(r.runs), _fmt(r.tflops, ".1f"), err,
+            r.label, r.status, _fmt(r.median_ms), spread, _fmt(r.floor_ms), str(r.runs), _fmt(r.tflops, ".1f"), err,
             f"{r.measured_at:%Y-%m-%d %H:%M}", r.host, (r.message[:60] + "...") if len(r.message) > 63 else r.message,
         ])
     flush()

@@ -63,6 +63,8 @@ class Measurement(Base):
     # quartiles (schema 2): the spread that a shared GPU's noise leaves least affected
     q1_ms: Mapped[float | None] = mapped_column(sa.Float)
     q3_ms: Mapped[float | None] = mapped_column(sa.Float)
+    # the burst floor, apart from the runs (schema 4): per-call time of back-to-back calls
+    floor_ms: Mapped[float | None] = mapped_column(sa.Float)
     runs: Mapped[int] = mapped_column(sa.Integer, default=0)
     tflops: Mapped[float | None] = mapped_column(sa.Float)
     error: Mapped[float | None] = mapped_column(sa.Float)

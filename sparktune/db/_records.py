@@ -68,11 +68,16 @@ class Record:
     backend: str
     config: str
     status: str = "ok"
+    #: the time candidates are ranked by: the runs' median, or, when the burst floor exceeds
+    #: it, the median of the runs each counted at least the floor
     median_ms: float | None = None
+    #: the runs as measured (each alone, L2 flushed before it); None where not known
     min_ms: float | None = None
     max_ms: float | None = None
     q1_ms: float | None = None
     q3_ms: float | None = None
+    #: the burst floor: time per call of a burst of back-to-back calls (None: not measured)
+    floor_ms: float | None = None
     runs: int = 0
     tflops: float | None = None
     #: max abs error against the float64 reference (worst output for bwd)
@@ -185,6 +190,7 @@ def record_to_json(r: Record) -> dict[str, Any]:
             "max": r.max_ms,
             "q1": r.q1_ms,
             "q3": r.q3_ms,
+            "floor": r.floor_ms,
         },
         "runs": r.runs,
         "tflops": r.tflops,
@@ -311,6 +317,7 @@ def record_from_json(obj: Any, *, source: str = "") -> Record:
     tmax = tf.float_("max")
     q1 = tf.float_("q1", required=False)
     q3 = tf.float_("q3", required=False)
+    floor = tf.float_("floor", required=False)
     tf.done()
     if status == "ok" and (median is None or median <= 0):
         raise RecordError("time_ms.median", "an ok record needs a median time > 0")
@@ -344,6 +351,7 @@ def record_from_json(obj: Any, *, source: str = "") -> Record:
         max_ms=tmax,
         q1_ms=q1,
         q3_ms=q3,
+        floor_ms=floor,
         runs=runs,
         tflops=tflops,
         error=error,

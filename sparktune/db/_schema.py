@@ -20,11 +20,16 @@ __all__ = [
     "SchemaOutdatedError",
     "SchemaTooNewError",
     "ensure_schema",
+    "record_columns",
     "stored_version",
 ]
 
 #: the schema version this code writes
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
+
+#: columns of the records table added by a later schema version than 2 (the oldest version a
+#: store opened read-only is read at), with that version
+_ADDED_COLUMNS = {"floor_ms": 4}
 
 
 def _add_column(conn: Connection, table: sa.Table, name: str) -> None:
@@ -50,8 +55,20 @@ def _v2_to_v3(conn: Connection) -> None:
     Lease.__table__.create(conn)
 
 
+def _v3_to_v4(conn: Connection) -> None:
+    """The burst floor as its own column. The rows already stored keep their times as they
+    are, with no floor (not recorded)."""
+    _add_column(conn, Measurement.__table__, "floor_ms")
+
+
 #: MIGRATIONS[n] upgrades a store at version n to n + 1, inside one transaction
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _v1_to_v2, 2: _v2_to_v3}
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4}
+
+
+def record_columns(version: int) -> list[sa.Column]:
+    """The columns of the records table in a store at schema ``version`` (a store opened
+    read-only is read as it is, without the columns of later versions)."""
+    return [c for c in Measurement.__table__.c if _ADDED_COLUMNS.get(c.name, 0) <= version]
 
 
 class SchemaError(RuntimeError):

@@ -18,7 +18,7 @@ from ..problem import DeviceInfo, Problem
 from ._engine import make_engine, resolve_url, safe_url, sqlite_file, write_connection
 from ._models import Measurement
 from ._records import Record, RecordError
-from ._schema import SCHEMA_VERSION, ensure_schema, stored_version
+from ._schema import SCHEMA_VERSION, ensure_schema, record_columns, stored_version
 
 __all__ = ["RowError", "Store", "StoreMissingError"]
 
@@ -87,6 +87,7 @@ def _row_values(r: Record) -> dict[str, Any]:
         max_ms=r.max_ms,
         q1_ms=r.q1_ms,
         q3_ms=r.q3_ms,
+        floor_ms=r.floor_ms,
         runs=r.runs,
         tflops=r.tflops,
         error=r.error,
@@ -123,6 +124,7 @@ def _to_record(m: Any, source: str) -> Record:
         max_ms=m.max_ms,
         q1_ms=m.q1_ms,
         q3_ms=m.q3_ms,
+        floor_ms=getattr(m, "floor_ms", None),  # absent from a store read as schema 2 or 3
         runs=m.runs,
         tflops=m.tflops,
         error=m.error,
@@ -266,7 +268,7 @@ class Store:
         reported there instead, and the valid ones are returned."""
         if self.version is None:
             return []
-        stmt = sa.select(Measurement.__table__)
+        stmt = sa.select(*record_columns(self.version))
         if problem is not None:
             for c in _PROBLEM_COLUMNS:
                 stmt = stmt.where(getattr(Measurement, c) == getattr(problem, c))

@@ -8,34 +8,54 @@ import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from ..backends.base import Candidate
     from ..problem import Problem
 
-__all__ = ["CostTimer", "CudaEventTimer", "Timer", "Timing"]
+__all__ = ["CostTimer", "CudaClock", "CudaEventTimer", "DeviceClock", "Timer", "Timing"]
 
 
 @dataclass(frozen=True)
 class Timing:
-    """Times of the runs of one candidate, in milliseconds."""
+    """Times of the runs of one candidate, in milliseconds, as measured, and the burst floor:
+    the time per call of a burst of back-to-back calls (None when no burst was timed).
+
+    ``min_ms``, ``quartiles_ms`` and ``max_ms`` describe the runs alone. ``median_ms`` is the
+    time candidates are ranked by: the runs' median, or, when the burst floor exceeds it, the
+    median of the runs each counted at least the floor (a call cannot finish faster than the
+    host can issue it)."""
 
     times_ms: tuple[float, ...]
+    floor_ms: float | None = None
 
     @classmethod
-    def of(cls, times: list[float] | tuple[float, ...]) -> Timing:
+    def of(cls, times: list[float] | tuple[float, ...], floor_ms: float | None = None) -> Timing:
         if not times:
             raise ValueError("a timing needs at least one run")
-        return cls(tuple(float(t) for t in times))
+        return cls(tuple(float(t) for t in times), None if floor_ms is None else float(floor_ms))
 
     @property
     def runs(self) -> int:
         return len(self.times_ms)
 
     @property
-    def median_ms(self) -> float:
+    def runs_median_ms(self) -> float:
+        """The median of the runs alone."""
         return statistics.median(self.times_ms)
+
+    @property
+    def floored(self) -> bool:
+        """Whether the burst floor exceeds the runs' median (and so sets ``median_ms``)."""
+        return self.floor_ms is not None and self.floor_ms > self.runs_median_ms
+
+    @property
+    def median_ms(self) -> float:
+        floor = self.floor_ms
+        if floor is not None and floor > self.runs_median_ms:
+            return statistics.median([max(t, floor) for t in self.times_ms])
+        return self.runs_median_ms
 
     @property
     def min_ms(self) -> float:
@@ -54,9 +74,9 @@ class Timing:
 
     @property
     def rel_iqr(self) -> float:
-        """Interquartile range over the median: the spread the shared GPU left."""
+        """Interquartile range of the runs over their median: the spread the shared GPU left."""
         q1, q3 = self.quartiles_ms
-        med = self.median_ms
+        med = self.runs_median_ms
         return (q3 - q1) / med if med > 0 else 0.0
 
 
@@ -64,6 +84,47 @@ class Timer(Protocol):
     def measure(self, fn: Callable[[], object], *, candidate: Candidate | None, problem: Problem) -> Timing:
         """Run ``fn`` (one launch of the candidate on prepared inputs) and time it."""
         ...
+
+
+class DeviceClock(Protocol):
+    """What :class:`CudaEventTimer` needs from the device: timing events (objects with
+    ``record()``, ``synchronize()`` and ``elapsed_time(end)`` in ms, as ``torch.cuda.Event``),
+    a synchronisation of the whole device, and an operation that overwrites a buffer larger
+    than the L2 cache."""
+
+    def event(self) -> Any: ...
+
+    def synchronize(self) -> None: ...
+
+    def l2_flush(self) -> Callable[[], object]: ...
+
+
+class CudaClock:
+    """The CUDA device's clock: CUDA events, ``torch.cuda.synchronize`` and a zeroed buffer
+    twice the size of L2 (allocated on first use)."""
+
+    def __init__(self, device: object = None) -> None:
+        self.device = device
+        self._flush_buf: Any = None
+
+    def event(self) -> Any:
+        import torch
+
+        return torch.cuda.Event(enable_timing=True)
+
+    def synchronize(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+
+    def l2_flush(self) -> Callable[[], object]:
+        import torch
+
+        if self._flush_buf is None:
+            dev = torch.device(self.device if self.device is not None else "cuda")
+            l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or (64 << 20)
+            self._flush_buf = torch.empty(2 * l2, dtype=torch.int8, device=dev)
+        return self._flush_buf.zero_
 
 
 class CudaEventTimer:
@@ -78,9 +139,13 @@ class CudaEventTimer:
     A run timed alone hides the host's cost of issuing it (the flush before it keeps the GPU
     busy meanwhile), but a call cannot finish faster than the host can issue it: a burst of
     back-to-back calls (``burst_ms`` of them, no flush, two events around the whole burst)
-    gives the rate the host sustains, and every run counts at least that long. For small
-    problems this is what separates a kernel with a cheap launch from one whose launch costs
-    more than its GPU time.
+    gives the rate the host sustains, the burst floor (:attr:`Timing.floor_ms`). The runs are
+    kept as measured; the time candidates are ranked by counts every run at least the floor
+    (:attr:`Timing.median_ms`). For small problems this is what separates a kernel with a
+    cheap launch from one whose launch costs more than its GPU time.
+
+    ``clock``: where the events, the synchronisation and the flush come from (default: the
+    CUDA device ``device``).
     """
 
     def __init__(
@@ -94,6 +159,7 @@ class CudaEventTimer:
         flush_l2: bool = True,
         device: object = None,
         burst_ms: float = 20.0,
+        clock: DeviceClock | None = None,
     ) -> None:
         self.warmup_ms = warmup_ms
         self.rep_ms = rep_ms
@@ -103,25 +169,17 @@ class CudaEventTimer:
         self.flush_l2 = flush_l2
         self.device = device
         self.burst_ms = burst_ms
-        self._flush_buf = None
+        self.clock: DeviceClock = clock if clock is not None else CudaClock(device)
 
     def _flush(self) -> Callable[[], object]:
-        import torch
-
         if not self.flush_l2:
             return lambda: None
-        if self._flush_buf is None:
-            dev = torch.device(self.device if self.device is not None else "cuda")
-            l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or (64 << 20)
-            self._flush_buf = torch.empty(2 * l2, dtype=torch.int8, device=dev)
-        return self._flush_buf.zero_
+        return self.clock.l2_flush()
 
     def _runs(self, fn: Callable[[], object], n: int) -> list[float]:
-        import torch
-
         flush = self._flush()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        starts = [self.clock.event() for _ in range(n)]
+        ends = [self.clock.event() for _ in range(n)]
         for s, e in zip(starts, ends, strict=True):
             flush()
             s.record()
@@ -131,32 +189,24 @@ class CudaEventTimer:
         return [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
 
     def measure(self, fn: Callable[[], object], *, candidate: Candidate | None = None, problem: Problem | None = None) -> Timing:
-        import torch
-
-        torch.cuda.synchronize()
+        self.clock.synchronize()
         estimate = max(statistics.median(self._runs(fn, 3)), 1e-4)
         for _ in range(max(1, min(self.max_runs, math.ceil(self.warmup_ms / estimate)))):
             fn()
         n = max(self.min_runs, min(self.max_runs, math.ceil(self.rep_ms / estimate)))
         times = self._runs(fn, n)
-        timing = Timing.of(times)
-        if timing.rel_iqr > self.max_rel_iqr and 2 * n <= self.max_runs:
+        if Timing.of(times).rel_iqr > self.max_rel_iqr and 2 * n <= self.max_runs:
             times = times + self._runs(fn, n)
-            timing = Timing.of(times)
-        issue = self._issue_ms(fn, estimate)
-        if issue > timing.median_ms:
-            timing = Timing.of([max(t, issue) for t in times])
-        return timing
+        return Timing.of(times, floor_ms=self._burst_ms(fn, estimate))
 
-    def _issue_ms(self, fn: Callable[[], object], estimate: float) -> float:
-        """Time per call of a burst of back-to-back calls (at least 5, at most 200)."""
-        import torch
-
+    def _burst_ms(self, fn: Callable[[], object], estimate: float) -> float | None:
+        """Time per call of a burst of back-to-back calls (at least 5, at most 200); None when
+        bursts are off (``burst_ms`` <= 0)."""
         if self.burst_ms <= 0:
-            return 0.0
+            return None
         k = max(5, min(200, math.ceil(self.burst_ms / estimate)))
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
+        start, end = self.clock.event(), self.clock.event()
+        self.clock.synchronize()
         start.record()
         for _ in range(k):
             fn()

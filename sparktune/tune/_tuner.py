@@ -159,6 +159,7 @@ class TuneResult:
                 "q1_ms": q1,
                 "q3_ms": q3,
                 "max_ms": t.max_ms if t else None,
+                "floor_ms": t.floor_ms if t else None,
                 "runs": t.runs if t else 0,
                 "screened": m.screened,
                 "tflops": m.tflops,
@@ -347,7 +348,7 @@ def _measurement_from_trial(t: Any, labels: dict[str, Candidate]) -> Measurement
             isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in times
         ):
             return None
-        timing = Timing.of(times)
+        timing = Timing.of(times, floor_ms=num("floor_ms"))
     try:
         at = datetime.fromisoformat(str(attrs.get("at", "")).replace("Z", "+00:00"))
     except ValueError:
@@ -791,6 +792,8 @@ class Tuner:
             attrs["tflops"] = m.tflops
             attrs["runs"] = m.timing.runs
             attrs["times_ms"] = list(m.timing.times_ms)
+            if m.timing.floor_ms is not None:
+                attrs["floor_ms"] = m.timing.floor_ms
         trial.set_user_attr("sparktune", attrs)
         if m.status == "ok":
             assert m.timing is not None
@@ -825,6 +828,7 @@ class Tuner:
                     max_ms=t.max_ms if t else None,
                     q1_ms=q1,
                     q3_ms=q3,
+                    floor_ms=t.floor_ms if t else None,
                     runs=t.runs if t else 0,
                     tflops=m.tflops,
                     error=m.error if m.error is None or m.error != float("inf") else None,
