@@ -15,7 +15,7 @@ On a GPU: plain SDPA, SDPA under ``sdpa_kernel(FLASH)``, ``attention()`` forced 
 ``attention()`` on a tuned hit whose winner is torch:flash (a temporary store holds that one
 record), ``dispatch.select()`` alone, the torch backend's ``forward``/``forward_alloc``
 directly, every other tunable backend's ``forward`` with its default config, and (``--db``)
-the winner of that store. The target (issue 4): a hit at most 5 us above calling plain SDPA
+the winner of that store. The target: a hit at most 5 us above calling plain SDPA
 (``F.scaled_dot_product_attention`` with its own choice of kernel).
 On the CPU: the same with torch's "math" backend, plus a backend whose forward does nothing,
 reached forced and through a tuned hit on a stand-in device, so that what is left is

@@ -1,12 +1,13 @@
 #!/usr/bin/env python
-"""The ANCHORS.md sweep for the Triton family, next to torch's flash and cuDNN SDPA.
+"""FlashAttention-2's long-sequence sweep for the Triton family, next to torch's flash and cuDNN
+SDPA.
 
     PYTHONPATH=. python bench/triton_sweep.py                 # default subset, about 3-4 minutes
     PYTHONPATH=. python bench/triton_sweep.py --all-configs   # every config that fits (long)
     PYTHONPATH=. python bench/triton_sweep.py --seqlens 4096,8192 --head-dims 128 --causal 0
 
-16k tokens per batch (batch = 16384 / seqlen), 12 heads, fp16, (B, H, N, D) inputs, random
-normal. Forward TFLOP/s for each forward config; forward+backward TFLOP/s for each backward
+By default 16k tokens per batch (batch = 16384 / seqlen), 12 heads; fp16, (B, H, N, D) inputs,
+random normal. Forward TFLOP/s for each forward config; forward+backward TFLOP/s for each backward
 config (run after the best forward config of that shape, as one function). FLOPs as
 FlashAttention counts them: forward 4*B*H*N^2*D, halved when causal; forward+backward 3.5x.
 Timing: ``triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")``.
@@ -27,19 +28,16 @@ import time
 
 import torch
 import torch.nn.functional as F
+from common import add_sweep_arguments, do_bench, sweep, tflops
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from sparktune.backends.triton import TritonBackend, warmup_jobs  # noqa: E402
-from sparktune.kernels.triton_space import BWD_SPACE, FWD_SPACE  # noqa: E402
-from sparktune.problem import DeviceInfo, Problem  # noqa: E402
+from sparktune.backends.triton import TritonBackend, warmup_jobs
+from sparktune.kernels.triton_space import BWD_SPACE, FWD_SPACE
+from sparktune.problem import DeviceInfo, Problem
 
 DEVICE = "cuda"
-TOKENS = 16384
-HEADS = 12
-SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
-#: the default subset: ANCHORS.md's forward winners per (head dim, causal) and neighbours;
-#: the backward defaults (no spills on sm_90) and a few larger or atomic-dQ alternatives
+#: the default subset: the forward winners per (head dim, causal) at seqlen 8192 of an earlier
+#: sweep of a minimal Triton forward on an H200, and neighbours; the backward defaults (no
+#: spills on sm_90) and a few larger or atomic-dQ alternatives
 DEFAULT_FWD = (
     "tfwd_m128n64_w4s3", "tfwd_m64n128_w4s3", "tfwd_m128n64_w8s3", "tfwd_m64n64_w4s3",
     "tfwd_m128n128_w8s3", "tfwd_m128n32_w4s3", "tfwd_m128n64_w8s2", "tfwd_m64n64_w4s2",
@@ -51,16 +49,6 @@ DEFAULT_BWD = (
 #: a config whose max abs error versus torch's flash exceeds this (relative to the largest
 #: reference value, plus an absolute part) is reported BAD instead of timed
 _SANITY_REL, _SANITY_ABS = 2e-2, 2e-2
-
-
-def _bench(fn, grad_to_none=None) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
-
-
-def _tflops(flops: float, ms: float) -> float:
-    return flops / (ms * 1e-3) / 1e12
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -99,9 +87,7 @@ def _torch_runs(name, q, k, v, dout, causal):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
-    ap.add_argument("--head-dims", default="64,128")
-    ap.add_argument("--causal", default="both", choices=("0", "1", "both"))
+    add_sweep_arguments(ap)
     ap.add_argument("--all-configs", action="store_true",
                     help="every config of the space that fits (default: a subset of "
                          f"{len(DEFAULT_FWD)} forward and {len(DEFAULT_BWD)} backward configs)")
@@ -134,24 +120,22 @@ def main(argv: list[str] | None = None) -> int:
                                           else list(DEFAULT_BWD))
     fwd_names = [n for n in fwd_names if pick is None or pick.search(n)]
     bwd_names = [n for n in bwd_names if pick is None or pick.search(n)]
-    seqlens = [int(s) for s in args.seqlens.split(",")]
-    head_dims = [int(d) for d in args.head_dims.split(",")]
-    causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
-    shapes = [(d, c, n, max(1, TOKENS // n)) for d in head_dims for c in causals for n in seqlens]
+    shapes = list(sweep(args))
 
     def problem(op, d, causal, n, b):
-        return Problem(op, "float16", b, HEADS, HEADS, n, n, d, causal)
+        return Problem(op, "float16", b, args.heads, args.heads, n, n, d, causal)
 
     def supported(op, names, d, causal, n, b):
         return [x for x in names if not backend.not_supported_reasons(problem(op, d, causal, n, b), x, device)]
 
     # compile up front (kernels depend on head dim and causal, not on the sequence length)
+    first: dict[tuple[int, bool], tuple[int, int]] = {}
+    for d, causal, n, b in shapes:
+        first.setdefault((d, causal), (n, b))
     jobs = []
-    for d in head_dims:
-        for causal in causals:
-            n, b = seqlens[0], max(1, TOKENS // seqlens[0])
-            jobs += [(problem("fwd", d, causal, n, b), x) for x in supported("fwd", fwd_names, d, causal, n, b)]
-            jobs += [(problem("bwd", d, causal, n, b), x) for x in supported("bwd", bwd_names, d, causal, n, b)]
+    for (d, causal), (n, b) in first.items():
+        jobs += [(problem("fwd", d, causal, n, b), x) for x in supported("fwd", fwd_names, d, causal, n, b)]
+        jobs += [(problem("bwd", d, causal, n, b), x) for x in supported("bwd", bwd_names, d, causal, n, b)]
     t0 = time.perf_counter()
     try:
         warmup_jobs(jobs, processes=args.processes)
@@ -173,17 +157,18 @@ def main(argv: list[str] | None = None) -> int:
             for x, t in sorted(per_fb.items()):
                 print(f"      {x:28s} fwd+bwd {'BAD' if t is None else f'{t:6.1f}'}")
 
-    _print_table(rows)
+    _print_table(rows, args)
     print(f"total {time.perf_counter() - t_start:.1f} s")
     return 0
 
 
 def _measure_shape(backend, d, causal, n, b, fwd_names, bwd_names, args):
     """One row of the table: torch's backends and every given config on one shape."""
-    fwd_flops = Problem("fwd", "float16", b, HEADS, HEADS, n, n, d, causal).flops()
+    heads = args.heads
+    fwd_flops = Problem("fwd", "float16", b, heads, heads, n, n, d, causal).flops()
     fb_flops = 3.5 * fwd_flops
     gen = torch.Generator(device=DEVICE).manual_seed(n + d + causal)
-    q, k, v, dout = (torch.randn(b, HEADS, n, d, device=DEVICE, dtype=torch.float16, generator=gen)
+    q, k, v, dout = (torch.randn(b, heads, n, d, device=DEVICE, dtype=torch.float16, generator=gen)
                      for _ in range(4))
     scale = 1.0 / math.sqrt(d)
     row = {"d": d, "causal": causal, "n": n, "b": b}
@@ -194,9 +179,9 @@ def _measure_shape(backend, d, causal, n, b, fwd_names, bwd_names, args):
         try:
             fwd, fwd_bwd, leaves, result = _torch_runs(name, q, k, v, dout, causal)
             ref = ref or result
-            row[f"{name}_fwd"] = _tflops(fwd_flops, _bench(fwd))
+            row[f"{name}_fwd"] = tflops(fwd_flops, do_bench(fwd))
             if not args.fwd_only:
-                row[f"{name}_fb"] = _tflops(fb_flops, _bench(fwd_bwd, grad_to_none=list(leaves)))
+                row[f"{name}_fb"] = tflops(fb_flops, do_bench(fwd_bwd, grad_to_none=list(leaves)))
         except Exception as exc:  # noqa: BLE001 - a missing torch backend is a blank cell
             print(f"  {name} {where}: {type(exc).__name__}: {str(exc)[:200]}")
 
@@ -219,7 +204,7 @@ def _measure_shape(backend, d, causal, n, b, fwd_names, bwd_names, args):
             if ref is not None and not _close(out, ref[0]):
                 per_fwd[x] = None
                 continue
-            per_fwd[x] = _tflops(fwd_flops, _bench(lambda x=x: run_fwd(x)))
+            per_fwd[x] = tflops(fwd_flops, do_bench(lambda x=x: run_fwd(x)))
         except Exception as exc:  # noqa: BLE001
             print(f"  {x} {where}: {type(exc).__name__}: {str(exc)[:200]}")
     good_fwd = {x: t for x, t in per_fwd.items() if t is not None}
@@ -234,7 +219,7 @@ def _measure_shape(backend, d, causal, n, b, fwd_names, bwd_names, args):
             if ref is not None and not all(_close(g, r) for g, r in zip(grads, ref[1:], strict=True)):
                 per_fb[x] = None
                 continue
-            per_fb[x] = _tflops(fb_flops, _bench(lambda x=x: run_fwd_bwd(best_fwd, x)))
+            per_fb[x] = tflops(fb_flops, do_bench(lambda x=x: run_fwd_bwd(best_fwd, x)))
         except Exception as exc:  # noqa: BLE001
             print(f"  {x} {where}: {type(exc).__name__}: {str(exc)[:200]}")
     good_fb = {x: t for x, t in per_fb.items() if t is not None}
@@ -259,9 +244,9 @@ def _print_row(r) -> None:
           f"cudnn {_fmt(r.get('cudnn_fwd'))}/{_fmt(r.get('cudnn_fb'))}", flush=True)
 
 
-def _print_table(rows) -> None:
+def _print_table(rows, args) -> None:
     print()
-    print("TFLOP/s, fp16, 16k tokens, 12 heads; ratios = triton / other")
+    print(f"TFLOP/s, fp16, {args.tokens} tokens, {args.heads} heads; ratios = triton / other")
     head = (f"{'hd':>3} {'c':>1} {'seqlen':>6} {'b':>3} | {'flash':>6} {'cudnn':>6} {'triton':>6} "
             f"{'/fl':>5} {'/cu':>5} {'best fwd':<20} | {'flash':>6} {'cudnn':>6} {'triton':>6} "
             f"{'/fl':>5} {'/cu':>5} {'best fwd+bwd':<26}")

@@ -1,7 +1,11 @@
 """Generate one .cu per valid configuration (forward and backward) plus the registration unit.
 
 Usage: gen_kernels.py --out DIR --nvcc NVCC --include DIR [--include DIR ...]
-                      [--filter PATTERNS] [--families 70,80]
+                      [--filter PATTERNS] [--families 70,80] [--space FILE]
+
+The entries come from the declared space, ``sparktune/kernels/kernel_space.py`` (``--space``),
+read from its file: CMake runs this generator with a Python that need not have sparktune's
+dependencies, and the space module needs only the standard library.
 
 Validity comes from the C++ rules (fwd_config.h, bwd_config.h): a small host program built from
 them prints, for every selected entry, whether it can work and why not. Each entry type names
@@ -14,13 +18,27 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_space import full_space, select  # noqa: E402
+#: the declared space in a source tree: <root>/csrc/gen_kernels.py and
+#: <root>/sparktune/kernels/kernel_space.py
+SPACE = Path(__file__).resolve().parent.parent / "sparktune" / "kernels" / "kernel_space.py"
+
+
+def load_space(path: Path) -> ModuleType:
+    """The space module loaded from its file (not through the package, whose import needs torch)."""
+    spec = importlib.util.spec_from_file_location("sparktune_kernel_space", path)
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(f"no kernel space at {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def write_if_changed(path: Path, text: str) -> None:
@@ -74,13 +92,15 @@ def main() -> int:
     ap.add_argument("--include", action="append", default=[])
     ap.add_argument("--filter", default=os.environ.get("SPARKTUNE_KERNELS", ""))
     ap.add_argument("--families", default="70,80")
+    ap.add_argument("--space", default=str(SPACE), help="the declared space (default: %(default)s)")
     args = ap.parse_args()
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     families = {int(f) for f in args.families.split(",") if f.strip()}
-    space = full_space()
-    entries = [e for e in select(space, args.filter) if e.family in families]
+    kernel_space = load_space(Path(args.space))
+    space = kernel_space.full_space()
+    entries = [e for e in kernel_space.select(space, args.filter) if e.family in families]
     # the rules decide for the whole declared space, so that the build id names the family
     # (the same for every kernel filter): a record of a kernel is good for any build that has it
     table = probe(space, out, args.nvcc, args.include)

@@ -319,7 +319,7 @@ def test_volta_space_keeps_its_coverage_and_the_defaults(tmp_path):
     assert spilled[1] == "0" and "register budget" in spilled[4]
 
     # the estimates the report shows are the rule's: kept ones fit, excluded ones do not
-    est = check.rule_estimates(ROOT / "csrc", nvcc, [inc, ROOT / "csrc" / "include"], list(rows),
+    est = check.rule_estimates(ROOT, nvcc, [inc, ROOT / "csrc" / "include"], list(rows),
                                tmp_path / "estimates")
     assert set(est) == set(rows)
     for name, row in rows.items():

@@ -14,11 +14,10 @@ import pytest
 import torch
 
 from sparktune.backends.spark import SparkBackend, load_extension
+from sparktune.kernels.kernel_space import forward_space, select
 from sparktune.problem import DeviceInfo, Problem
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "csrc"))
-from kernel_space import forward_space, select  # noqa: E402
 
 _C, _C_ERR = load_extension()
 KERNELS = [k["name"] for k in _C.kernels() if k["op"] == "fwd"] if _C is not None else []

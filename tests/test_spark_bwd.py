@@ -13,13 +13,12 @@ import torch
 
 from sparktune.backends.reference import reference_attention
 from sparktune.backends.spark import SparkBackend, load_extension
+from sparktune.kernels.kernel_space import backward_space, forward_space, full_space, select
 from sparktune.problem import DeviceInfo, Problem
 from tests._oracle import assert_grads_close_to_reference
 from tests.test_spark import ACC16_FACTOR, DTYPES, SHAPES, _cutlass_include, needs_ext
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "csrc"))
-from kernel_space import backward_space, forward_space, full_space, select  # noqa: E402
 
 _C, _C_ERR = load_extension()
 KERNELS = [k["name"] for k in _C.kernels() if k["op"] == "bwd"] if _C is not None else []

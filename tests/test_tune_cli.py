@@ -26,7 +26,7 @@ def test_no_gpu_is_one_clear_line(capsys, monkeypatch):
     ]
 
 
-def test_defaults_of_the_issue_example():
+def test_defaults_of_the_readme_example():
     args = build_parser().parse_args(["tune", "--seqlen", "8192", "--heads", "12"])
     problems, extra = tune_cli.problems_from_args(args)
     assert problems == [

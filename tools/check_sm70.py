@@ -478,31 +478,52 @@ class Toolchain:
     fingerprint: str  # hashes into every cache key
 
 
-def snapshot_csrc(dest: Path, rev: str | None) -> str:
-    """Copy csrc/ (the space, the generator and the kernel headers) to ``dest``, from the working
-    tree or from a git revision, so that edits made while the check runs can neither mix into
-    its results nor into its cache keys. Returns what was copied (a commit, maybe "+dirty")."""
+#: what the check reads from a source tree, at these paths: the generator and the kernel
+#: headers, and the declared space (at ``csrc/kernel_space.py`` in older revisions)
+SOURCES = ("csrc", "sparktune/kernels/kernel_space.py")
+
+
+def snapshot_sources(dest: Path, rev: str | None) -> str:
+    """Copy the kernel sources (``SOURCES``: the space, the generator and the kernel headers) to
+    ``dest`` at the same paths, from the working tree or from a git revision, so that edits made
+    while the check runs can neither mix into its results nor into its cache keys. Returns what
+    was copied (a commit, maybe "+dirty")."""
     if rev is None:
         label = git_head()
-        shutil.copytree(ROOT / "csrc", dest, ignore=shutil.ignore_patterns("__pycache__"))
+        for rel in SOURCES:
+            src, dst = ROOT / rel, dest / rel
+            if src.is_dir():
+                shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+            elif src.is_file():
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, dst)
         return label
     commit = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=ROOT,
                             capture_output=True, text=True)
     if commit.returncode != 0:
         raise ToolUnavailable(f"no git revision {rev!r}")
+    sha = commit.stdout.strip()
+    present = subprocess.run(["git", "ls-tree", "--name-only", sha, "--", *SOURCES], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.split()
     dest.mkdir(parents=True)
-    archive = subprocess.run(["git", "archive", commit.stdout.strip(), "csrc"], cwd=ROOT,
+    archive = subprocess.run(["git", "archive", sha, *present], cwd=ROOT,
                              capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "--strip-components=1", "-C", str(dest)], input=archive,
-                   check=True)
-    return commit.stdout.strip()
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return sha
 
 
-def generate(csrc: Path, nvcc: Path, includes: list[Path], patterns: str | None,
+def space_file(root: Path) -> Path:
+    """The declared space of a source tree (``root`` holds ``csrc/``)."""
+    moved = root / SOURCES[1]
+    return moved if moved.is_file() else root / "csrc" / "kernel_space.py"
+
+
+def generate(root: Path, nvcc: Path, includes: list[Path], patterns: str | None,
              out: Path) -> tuple[list[Path], dict[str, tuple[bool, int, int, str]]]:
-    """Run the project's generator for family 70: the valid .cu files and the probe table."""
+    """Run the generator of the source tree ``root`` for family 70: the valid .cu files and the
+    probe table."""
     pats = patterns.strip() if patterns and patterns.strip() else SM70_NAME
-    cmd = [sys.executable, str(csrc / "gen_kernels.py"), "--out", str(out),
+    cmd = [sys.executable, str(root / "csrc" / "gen_kernels.py"), "--out", str(out),
            "--nvcc", str(nvcc), "--filter", pats, "--families", "70"]
     for inc in includes:
         cmd += ["--include", str(inc)]
@@ -524,14 +545,15 @@ def generate(csrc: Path, nvcc: Path, includes: list[Path], patterns: str | None,
     return [sources[n] for n in names], table
 
 
-def rule_estimates(csrc: Path, nvcc: Path, includes: list[Path], names: list[str],
+def rule_estimates(root: Path, nvcc: Path, includes: list[Path], names: list[str],
                    out: Path) -> dict[str, tuple[int, int]]:
     """Per kernel name, the Volta register rule's (estimate, limit): ``kRegEstimate`` and
     ``kRegLimit`` of the configuration in ``fwd_config.h`` / ``bwd_config.h``, printed by a
     host program built from the same headers, so that the report shows the rule next to what
-    ptxas did. Empty when the headers have no such rule (an older ``--rev``) or it fails to build.
+    ptxas did; ``root`` is the source tree (it holds ``csrc/``). Empty when the headers have no
+    such rule (an older ``--rev``) or it fails to build.
     """
-    spec = importlib.util.spec_from_file_location("sm70_kernel_space", csrc / "kernel_space.py")
+    spec = importlib.util.spec_from_file_location("sm70_kernel_space", space_file(root))
     if spec is None or spec.loader is None:
         return {}
     space = importlib.util.module_from_spec(spec)
@@ -568,11 +590,11 @@ def rule_estimates(csrc: Path, nvcc: Path, includes: list[Path], names: list[str
 
 
 def git_head() -> str:
-    """The checkout's commit, with "+dirty" when csrc/ differs from it."""
+    """The checkout's commit, with "+dirty" when the kernel sources differ from it."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "csrc"], cwd=ROOT,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", *SOURCES], cwd=ROOT,
                                capture_output=True, text=True).stdout.strip()
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
@@ -783,7 +805,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="FILE", help="also write the full report as JSON")
     ap.add_argument("--keep", metavar="DIR",
                     help="keep PTX, cubin, SASS and ptxas logs per kernel (compiles afresh)")
-    ap.add_argument("--rev", help="check csrc/ as of this git revision (default: the working tree)")
+    ap.add_argument("--rev", help="check the kernel sources (csrc/ and the declared space) as of "
+                    "this git revision (default: the working tree)")
     ap.add_argument("--nvcc", help="nvcc producing the compute_75 PTX (default: PATH)")
     ap.add_argument("--cache-dir", help="default: $SPARKTUNE_CACHE or ~/.cache/sparktune")
     ap.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
@@ -802,22 +825,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"check_sm70: cannot run: {e}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="sparktune-sm70-gen-") as gen:
+        tree = Path(gen) / "src"
         try:
-            source_rev = snapshot_csrc(Path(gen) / "csrc", args.rev)
+            source_rev = snapshot_sources(tree, args.rev)
         except ToolUnavailable as e:
             print(f"check_sm70: cannot run: {e}", file=sys.stderr)
             return 2
-        snapshot = Path(gen) / "csrc" / "include"
+        snapshot = tree / "csrc" / "include"
         tc.includes[-1] = snapshot
-        sources, table = generate(Path(gen) / "csrc", tc.nvcc, tc.includes, args.filter,
-                                  Path(gen) / "kernels")
+        sources, table = generate(tree, tc.nvcc, tc.includes, args.filter, Path(gen) / "kernels")
         headers = header_digest(snapshot)
         excluded = sorted(n for n, (valid, *_rest) in table.items()
                           if not valid and fnmatch.fnmatchcase(n, SM70_NAME))
-        estimates = rule_estimates(Path(gen) / "csrc", tc.nvcc, tc.includes,
+        estimates = rule_estimates(tree, tc.nvcc, tc.includes,
                                    [n for n in table if fnmatch.fnmatchcase(n, SM70_NAME)],
                                    Path(gen) / "reg_probe")
-        progress(f"check_sm70: csrc of {source_rev}: {len(sources)} Volta kernels to check, {len(excluded)} excluded by "
+        progress(f"check_sm70: kernel sources of {source_rev}: {len(sources)} Volta kernels to check, {len(excluded)} excluded by "
                  f"the rules; ptxas {tc.ptxas} (PTX ISA {tc.isa}); nvdisasm "
                  f"{tc.nvdisasm or 'n/a: ' + tc.nvdisasm_why}")
         keep = Path(args.keep).resolve() if args.keep else None

@@ -2,7 +2,7 @@
 # `sparktune bench` on a GPU machine, everything into $OUT. From the repository root:
 #
 #   . tools/device_prep.sh 'PATTERNS'        # on the lent GPU machine: wheels and sparktune._C
-#   OUT=/path tools/gpu_bench.sh             # the default sweep (ANCHORS.md)
+#   OUT=/path tools/gpu_bench.sh             # the default sweep (BENCHMARKS.md)
 #   OUT=/path tools/gpu_bench.sh --quick     # 2 shapes: seqlen 1024 and 8192, hd 128, no mask
 #   OUT=/path tools/gpu_bench.sh --dtype float16,bfloat16   # other arguments go to sparktune bench
 #

@@ -12,9 +12,10 @@
 #    heads), on this host: backward candidates are timed as a training call runs them
 #    (autograd's engine and sparktune's autograd function included).
 # 3. tools/gpu_bench.sh on that database (`--seqlens SEQLENS`, or $BENCH_ARGS when set), and the
-#    targets from tools/bench_summary.py.
+#    targets from bench/targets.py.
 # Writes retuned.jsonl (the new records, for tuning_db/), what gpu_bench.sh writes (bench.json,
-# bench.csv, bench.txt, charts), and summary.txt.
+# bench.csv, bench.txt, charts), and summary.txt (every ratio and each target).
+# Exit status: the bench's when it failed, else 1 when a target is missed (bench/targets.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -69,5 +70,8 @@ rc=0
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
 OUT="$out" SPARKTUNE_DB="$db" tools/gpu_bench.sh ${BENCH_ARGS---seqlens $seqlens} > "$out/gpu_bench.txt" 2>&1 || rc=$?
 tail -3 "$out/gpu_bench.txt"
-"$PY" tools/bench_summary.py "$out/bench.json" | tee "$out/summary.txt" || true
-exit $rc
+targets=0
+"$PY" bench/targets.py "$out/bench.json" > "$out/summary.txt" || targets=$?
+cat "$out/summary.txt"
+[ "$rc" != 0 ] && exit "$rc"
+exit "$targets"

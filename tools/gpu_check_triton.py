@@ -39,18 +39,15 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-# the repository root, so that the script runs from a checkout without installation
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from sparktune.backends.triton import TritonBackend, warmup_jobs  # noqa: E402
-from sparktune.kernels.triton_space import (  # noqa: E402
+from sparktune.backends.triton import TritonBackend, warmup_jobs
+from sparktune.kernels.triton_space import (
     BWD_SPACE,
     FWD_SPACE,
     config_reasons,
     parse_config,
     smem_limit,
 )
-from sparktune.problem import DeviceInfo, Problem  # noqa: E402
+from sparktune.problem import DeviceInfo, Problem
 
 #: (dtype, head_dim, causal): each dtype, head dim and mask kind appears, in four compiles
 VARIANTS = (

@@ -19,7 +19,6 @@ faster one counts) or into the reasons it cannot run.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -153,10 +152,7 @@ class TunedRecords:
             # opened as dispatch opens it (an older schema is brought up to date)
             with Store(db, create=False, upgrade=True, timeout=5.0) as store:
                 invalid: list[Any] = []
-                if "errors" in inspect.signature(store.records).parameters:
-                    stored = store.records(device=device, build_id=build, errors=invalid)
-                else:
-                    stored = store.records(device=device, build_id=build)
+                stored = store.records(device=device, build_id=build, errors=invalid)
                 self.where = store.display_url
             if invalid:
                 self.note = f"{len(invalid)} invalid row(s) in the tuning database {self.where} were ignored"

@@ -229,7 +229,9 @@ def config_reasons(cfg: Config, problem: Problem, device: DeviceInfo | None) -> 
 # Heuristic defaults for an untuned problem, best first, by (op, head-dim bucket, causal). The
 # first entries are the configs that won most shapes of the 16k-token sweep on an H200 with
 # Triton 3.6 (bench/triton_sweep.py: forward and forward+backward, 12 heads, seqlen 512-16k);
-# the next ones are the ANCHORS.md winners and the largest tiles whose backward does not spill.
+# the next ones are the best (block M, block N, warps, stages) per head dim and mask of an
+# earlier sweep of a minimal Triton forward at seqlen 8192 on the same GPU, and the largest tiles
+# whose backward does not spill.
 # Later entries are fallbacks for GPUs with less shared memory (sm_86/89/120: 99 KiB).
 _DEFAULTS: dict[tuple[str, int, bool], tuple[str, ...]] = {
     ("fwd", 64, False): ("tfwd_m128n64_w8s3", "tfwd_m128n64_w4s3", "tfwd_m128n64_w4s2", "tfwd_m64n64_w4s2"),

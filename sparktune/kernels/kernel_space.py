@@ -4,9 +4,11 @@ of truth.
 Each entry becomes one generated .cu file at build time; its name (e.g.
 ``fwd_sm80_f16_d128_m128n64_w4x1_acc32_preg``) is the build filter, the registry key, the
 database value and the log label. Whether an entry can work is decided by the C++ rules in
-``include/sparktune/fwd_config.h`` and ``bwd_config.h`` (the generator asks a small probe
-compiled from them), not here. Each entry type names the C++ it is generated into
-(``rules_header``, ``launch_header``, ``register_fn``).
+``csrc/include/sparktune/fwd_config.h`` and ``bwd_config.h`` (the generator,
+``csrc/gen_kernels.py``, asks a small probe compiled from them), not here. Each entry type names
+the C++ it is generated into (``rules_header``, ``launch_header``, ``register_fn``).
+
+This module needs only the standard library: the generator loads it from its file at build time.
 
 Name fields: ``sm70``/``sm80`` MMA family (mma.m8n8k4 / mma.m16n8k16), dtype, head dim,
 block_m x block_n, warps along M x along N, accumulator bits, softmax policy (``preg``: P stays

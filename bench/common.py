@@ -1,0 +1,49 @@
+"""What the kernel-family sweeps in bench/ share: the sweep's arguments, with the defaults of
+``sparktune bench`` (FlashAttention-2's long-sequence benchmark: 16k tokens, batch = 16384 /
+seqlen, seqlen 512 to 16384, 12 heads, head dim 64 and 128, causal and not), and the timing
+(``triton.testing.do_bench``, the median of 100 ms of runs after 25 ms of warm-up).
+
+A script in bench/ imports it as ``common`` (Python puts the script's directory on the path).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterator
+
+from sparktune.benchmark import DEFAULT_HEAD_DIMS, DEFAULT_HEADS, DEFAULT_SEQLENS, DEFAULT_TOKENS
+
+
+def add_sweep_arguments(ap: argparse.ArgumentParser) -> None:
+    """--seqlens, --head-dims, --causal (0, 1, 0,1 or both), --heads, --tokens."""
+    ap.add_argument("--seqlens", default=",".join(map(str, DEFAULT_SEQLENS)))
+    ap.add_argument("--head-dims", default=",".join(map(str, DEFAULT_HEAD_DIMS)))
+    ap.add_argument("--causal", default="0,1", help="0, 1, 0,1 or both (default: both)")
+    ap.add_argument("--heads", type=int, default=DEFAULT_HEADS)
+    ap.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
+                    help="tokens per batch: batch = max(1, tokens // seqlen)")
+
+
+def causal_values(text: str) -> list[bool]:
+    if text.strip() == "both":
+        return [False, True]
+    return [bool(int(x)) for x in text.split(",")]
+
+
+def sweep(args: argparse.Namespace) -> Iterator[tuple[int, bool, int, int]]:
+    """(head_dim, causal, seqlen, batch) of each shape, head dim outermost, seqlen innermost."""
+    for d in (int(x) for x in args.head_dims.split(",")):
+        for causal in causal_values(args.causal):
+            for n in (int(x) for x in args.seqlens.split(",")):
+                yield d, causal, n, max(1, args.tokens // n)
+
+
+def do_bench(fn: Callable[[], object], grad_to_none: list | None = None) -> float:
+    """Milliseconds per call of ``fn``: the median of Triton's do_bench."""
+    from triton.testing import do_bench as triton_do_bench
+
+    return triton_do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
