@@ -6,9 +6,10 @@
 #
 # (Without .whl/ and with sparktune's dependencies installed, just run the script.)
 #  1. `sparktune tune --seqlen 8192 --heads 12` on a fresh database: its wall time (target:
-#     under 60 s for forward and backward) and its table.
-#  2. The same space measured exhaustively, and with a small TPE budget: each run's winner is
-#     timed in the exhaustive run and compared with the exhaustive best (target: within 3%).
+#     at most 30 s for forward and backward, process start included) and its table.
+#  2. The same space measured exhaustively (every candidate fully timed: --no-screen), and
+#     with a small TPE budget: each run's winner is timed in the exhaustive run and compared
+#     with the exhaustive best (target: within 1%).
 #  3. Host overhead of a dispatched call on a hit against calling PyTorch's SDPA directly
 #     (target: at most 5 us), with the parts (bench/host_overhead.py, with step 1's winner).
 # Everything goes to $OUT (or a temporary directory); the exit status is 1 when a target is
@@ -36,13 +37,13 @@ timeout 300 "$PY" -m sparktune tune --seqlen 8192 --heads 12 --db "$work/run1.sq
   | tee "$out/tune_run1.txt"
 t1=$(now)
 wall1=$(secs "$t0" "$t1")
-echo "wall time: $wall1 s (target < 60 s)"
+echo "wall time: $wall1 s (target <= 30 s)"
 timeout 120 "$PY" -m sparktune db list --db "$work/run1.sqlite3" --json > "$out/run1_best.json"
 
 echo
 echo "== 2. the same space, exhaustive; then a small TPE budget"
 t0=$(now)
-timeout 300 "$PY" -m sparktune tune --seqlen 8192 --heads 12 --db "$work/run2.sqlite3" --trials 1000000 \
+timeout 300 "$PY" -m sparktune tune --seqlen 8192 --heads 12 --db "$work/run2.sqlite3" --trials 1000000 --no-screen \
   --optuna-storage memory --no-progress --json > "$out/tune_exhaustive.json"
 echo "exhaustive run: $(secs "$t0" "$(now)") s"
 timeout 300 "$PY" -m sparktune tune --seqlen 8192 --heads 12 --db "$work/run3.sqlite3" --trials 12 \
@@ -58,7 +59,7 @@ tpe = {r["key"]: r for r in json.load(open(f"{out}/tune_tpe12.json"))["results"]
 with Store(f"{work}/run1.sqlite3") as s:
     run1 = {problem_key(p): recs for p, recs in rank(s.records()).items()}
 modes = dict(re.findall(r"^(\S+)  \((\w+), \d+ trials", open(f"{out}/tune_run1.txt").read(), re.M))
-ok = wall1 < 60
+ok = wall1 <= 30
 print(f"{'problem':<52} {'run':<10} {'mode':<10} {'winner':<48} {'vs exhaustive best':>18}")
 for key, e in sorted(exh.items()):
     times = {c["candidate"]: c["median_ms"] for c in e["candidates"] if c["status"] == "ok"}
@@ -68,7 +69,7 @@ for key, e in sorted(exh.items()):
     for name, mode, winner in rows:
         t = times.get(winner)
         ratio = t / best if t else float("inf")
-        good = ratio <= 1.03
+        good = ratio <= 1.01
         ok &= good or name == "tpe12"  # the target is for the default run; TPE is information
         print(f"{key:<52} {name:<10} {mode:<10} {str(winner):<48} {ratio:>17.3f}x {'ok' if good else 'MISS'}")
     print(f"{key:<52} {'exhaustive':<10} {e['mode']:<10} {e['best']['candidate']:<48} "
