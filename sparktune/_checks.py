@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from .dtypes import DTYPE_NAMES
+
 __all__ = [
     "LAYOUTS",
     "SUPPORTED_DTYPES",
@@ -29,7 +31,7 @@ LAYOUTS = {
 
 
 #: input dtypes and their names in the problem key
-SUPPORTED_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+SUPPORTED_DTYPES = DTYPE_NAMES
 
 
 def bhnd(t: torch.Tensor, layout: str) -> torch.Tensor:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from sparktune.backends.spark import SparkBackend, load_extension
+from sparktune.dtypes import TORCH_DTYPES
 from sparktune.kernels.kernel_space import forward_space, select
 from sparktune.problem import DeviceInfo, Problem
 
@@ -144,7 +145,7 @@ SHAPES = [
     (1, 8, 2, 300, 300, True),     # GQA
     (1, 4, 1, 129, 257, False),    # MQA
 ]
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = TORCH_DTYPES
 
 
 def _run(b, name, q, k, v, causal, scale=None, layout_out=None):

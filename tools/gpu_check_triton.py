@@ -39,6 +39,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
+from sparktune.backends.reference import causal_visible
 from sparktune.backends.triton import TritonBackend, warmup_jobs
 from sparktune.kernels.triton_space import (
     BWD_SPACE,
@@ -89,9 +90,7 @@ FACTOR = 2.0
 
 
 def _visible(nq: int, nk: int, device) -> torch.Tensor:
-    i = torch.arange(nq, device=device)[:, None]
-    j = torch.arange(nk, device=device)[None, :]
-    return j <= i + (nk - nq)
+    return causal_visible(nq, nk, device)
 
 
 def _attention(q, k, v, causal: bool, scale: float, kind: str):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_SCORE_ELEMENTS",
     "ReferenceBackend",
+    "causal_visible",
     "reference_attention",
     "reference_attention_backward",
     "reference_lse",
@@ -65,6 +66,18 @@ def _tiles(b: int, hkv: int, group: int, nq: int, nk: int) -> Iterator[tuple[sli
                 yield slice(b0, b0 + bc), slice(h0, h0 + hc), slice(i0, i0 + qc)
 
 
+def causal_visible(
+    seqlen_q: int, seqlen_k: int, device: Any, first_row: int = 0, num_rows: int | None = None
+) -> torch.Tensor:
+    """sparktune's causal mask, aligned bottom-right: a (rows, seqlen_k) boolean tensor, True
+    where query i sees key j, i.e. ``j <= i + seqlen_k - seqlen_q``, for the query rows
+    ``first_row`` to ``first_row + num_rows`` (default: all of them)."""
+    stop = seqlen_q if num_rows is None else first_row + num_rows
+    i = torch.arange(first_row, stop, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    return j <= i + (seqlen_k - seqlen_q)
+
+
 def _tile(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -80,9 +93,7 @@ def _tile(
     qg = q.unflatten(1, (hkv, -1))  # (b, hkv, group, rows, d)
     s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale
     if causal:
-        i = torch.arange(rows.start, rows.start + q.shape[2], device=q.device)
-        j = torch.arange(nk, device=q.device)
-        visible = j[None, :] <= i[:, None] + (nk - seqlen_q)
+        visible = causal_visible(seqlen_q, nk, q.device, rows.start, q.shape[2])
         s = s.masked_fill(~visible, -math.inf)
     # softmax with the row maximum subtracted; fully masked rows (max -inf) give p = 0 and
     # lse = -inf without producing NaN in the values or in the gradients

@@ -36,9 +36,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..problem import DeviceInfo, Problem
+from ..problem import DTYPES, DeviceInfo, Problem
 from .base import Backend
-from .reference import reference_lse
+from .reference import causal_visible, reference_lse
 
 __all__ = ["AUTO", "CONFIGS", "TorchSDPABackend"]
 
@@ -221,14 +221,14 @@ def _reasons(problem: Problem, config: str, device: DeviceInfo | None) -> list[s
     if reasons or config == "math":
         return reasons
     if config == AUTO:  # SDPA picks a kernel that runs, down to its math
-        if problem.dtype not in ("float16", "bfloat16"):
+        if problem.dtype not in DTYPES:
             reasons.append(f"dtype {problem.dtype} (needs float16 or bfloat16)")
         return reasons
     if device is None:
         return ["needs CUDA tensors (only 'math' runs on other devices)"]
     d, arch = problem.head_dim, device.arch
     square = problem.seqlen_q == problem.seqlen_k
-    if problem.dtype not in ("float16", "bfloat16"):
+    if problem.dtype not in DTYPES:
         reasons.append(f"dtype {problem.dtype} (needs float16 or bfloat16)")
     if d % HEAD_DIM_MULTIPLE:
         reasons.append(f"head_dim {d} is not a multiple of {HEAD_DIM_MULTIPLE}")
@@ -337,7 +337,7 @@ def _borrowable(config: str, q: torch.Tensor, k: torch.Tensor, causal: bool) -> 
     tensors: the config's own rules (:func:`_reasons`) for their problem."""
     b, hq, nq, d = q.shape
     dtype = str(q.dtype).removeprefix("torch.")
-    if dtype not in ("float16", "bfloat16"):
+    if dtype not in DTYPES:
         return False
     problem = Problem("fwd", dtype, b, hq, k.shape[1], nq, k.shape[2], d, bool(causal))
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
@@ -374,9 +374,7 @@ def _auto_op(
 def _bottom_right_mask(nq: int, nk: int, device: torch.device) -> torch.Tensor:
     """(nq, nk) boolean mask, True where query i sees key j (j <= i + nk - nq). Rows that see
     nothing are opened fully so that torch produces no NaN; the caller zeroes them."""
-    i = torch.arange(nq, device=device)[:, None]
-    j = torch.arange(nk, device=device)[None, :]
-    visible = j <= i + (nk - nq)
+    visible = causal_visible(nq, nk, device)
     if nq > nk:
         visible[: nq - nk] = True
     return visible

@@ -33,6 +33,7 @@ from ..kernels.triton_space import (
     default_config_name,
     parse_config,
 )
+from ..problem import DTYPES
 from .base import Backend
 
 if TYPE_CHECKING:
@@ -44,7 +45,6 @@ __all__ = ["TritonBackend", "warmup_jobs"]
 
 log = logging.getLogger(__name__)
 
-_DTYPES = ("float16", "bfloat16")
 _PRE_AMPERE = (
     "Triton has no tensor-core path before sm_80 (Volta); use the spark backend"
 )
@@ -79,7 +79,7 @@ def _problem_reasons(problem: Problem, device: DeviceInfo | None) -> list[str]:
             )
     elif tuple(device.capability) < MIN_CAPABILITY:
         reasons.append(f"{_PRE_AMPERE} (device is sm_{device.arch})")
-    if problem.dtype not in _DTYPES:
+    if problem.dtype not in DTYPES:
         reasons.append(f"dtype {problem.dtype} (needs float16 or bfloat16)")
     if not MIN_HEAD_DIM <= problem.head_dim <= MAX_HEAD_DIM:
         reasons.append(f"head_dim {problem.head_dim} outside {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..backends.base import Backend
+from ..backends.reference import causal_visible
 
 if TYPE_CHECKING:
     from ..db import Record
@@ -295,9 +296,7 @@ def _backend_op(op: str, b: Backend, fwd_config: str | None, bwd_config: str | N
 
 def _bottom_right_mask(nq: int, nk: int, device: torch.device) -> torch.Tensor:
     """True where query i sees key j (j <= i + nk - nq): sparktune's causal alignment."""
-    i = torch.arange(nq, device=device)[:, None]
-    j = torch.arange(nk, device=device)[None, :]
-    return j <= i + (nk - nq)
+    return causal_visible(nq, nk, device)
 
 
 def _sdpa_forward(shape: Problem, mask_device: str) -> Callable[[], Callable[..., torch.Tensor]]:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..dtypes import TORCH_DTYPES
 from ..tune import ERROR_FACTOR, FP16_ACCUM_FACTOR
 from ..tune._workload import check_outputs, reference_bounds
 
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
 
 __all__ = ["CheckOutcome", "Inputs", "References", "TORCH_DTYPES", "make_inputs"]
 
-TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import MockTensor
 
+from ..dtypes import DTYPE_NAMES
 from .triton_space import BwdConfig, Config, FwdConfig, padded_head_dim, parse_config
 
 __all__ = [
@@ -651,7 +652,7 @@ def _check_shapes(q, k, v) -> None:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv})")
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16):
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in DTYPE_NAMES:
         raise ValueError(f"q, k, v must all be float16 or all bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}")
 
 

@@ -19,7 +19,12 @@ import torch
 
 from .._autograd import recorded_for_backward
 from ..attention import attention
-from ..backends.reference import reference_attention, reference_attention_backward
+from ..backends.reference import (
+    causal_visible,
+    reference_attention,
+    reference_attention_backward,
+)
+from ..dtypes import TORCH_DTYPES
 
 if TYPE_CHECKING:
     from ..backends.base import Backend, Candidate
@@ -43,7 +48,6 @@ FP16_ACCUM_FACTOR = 4.0
 #: elements of one score block of the low-precision baseline
 _TILE_ELEMENTS = 1 << 24
 
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def _tiles(pairs: int, group: int, nq: int, nk: int) -> list[tuple[slice, slice]]:
@@ -88,9 +92,8 @@ def lowp_attention(
             s = torch.matmul(qt, kt.unsqueeze(1).transpose(-1, -2)) * scale
             sf = s.float()
             if causal:
-                i = torch.arange(rs.start, rs.start + qt.shape[2], device=q.device)
-                j = torch.arange(nk, device=q.device)
-                sf = sf.masked_fill(j[None, :] > i[:, None] + (nk - nq), -math.inf)
+                visible = causal_visible(nq, nk, q.device, rs.start, qt.shape[2])
+                sf = sf.masked_fill(~visible, -math.inf)
             m = sf.detach().amax(-1, keepdim=True)
             m = torch.where(m == -math.inf, 0.0, m)
             e = torch.exp(sf - m)
@@ -199,7 +202,7 @@ class Workload:
     def __init__(self, problem: Problem, device: torch.device | str, *, seed: int = 0) -> None:
         self.problem = problem
         self.device = torch.device(device)
-        self.dtype = _DTYPES[problem.dtype]
+        self.dtype = TORCH_DTYPES[problem.dtype]
         self.scale = 1.0 / math.sqrt(problem.head_dim)
         self.seed = seed
         self._check_inputs: dict[str, torch.Tensor] | None = None
