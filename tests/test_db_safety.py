@@ -15,7 +15,7 @@ from sparktune.tune import CostTimer, Tuner, load_recipe
 from tests._store_helpers import DEVICE, known_cost, problem, record, registered_plugin
 
 PKG = Path(__file__).resolve().parent.parent / "sparktune"
-OWN = ["db", "tune", "dispatch.py", "cli/db.py", "cli/tune.py"]
+OWN = ["db", "tune", "dispatch", "cli/db.py", "cli/tune.py"]
 UNSAFE_MODULES = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"}
 
 

@@ -32,13 +32,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .backends.base import Backend, Candidate
-from .problem import DeviceInfo, Problem
+from ..backends.base import Backend, Candidate
+from ..problem import DeviceInfo, Problem
 
 if TYPE_CHECKING:
     import torch
 
-    from .db import Record
+    from ..db import Record
 
 __all__ = [
     "DEFAULT_ORDER",
@@ -157,7 +157,7 @@ def reset_counters() -> None:
 def build_id() -> str:
     """The build id of our compiled kernel family, or "none" without the extension."""
     try:
-        from . import _C  # type: ignore[attr-defined]
+        from .. import _C  # type: ignore[attr-defined]
     except ImportError:
         return "none"
     try:
@@ -216,7 +216,7 @@ def _read_store(device: DeviceInfo, build: str) -> tuple[list[Record], str, str]
     not answer, from its local snapshot): (records, where, error)."""
     import time
 
-    from .db import (
+    from ..db import (
         Store,
         StoreMissingError,
         is_network,
@@ -294,7 +294,7 @@ def _read_store(device: DeviceInfo, build: str) -> tuple[list[Record], str, str]
 
 
 def _load_table(device: DeviceInfo) -> _Table:
-    from .db import layered, load_shipped
+    from ..db import layered, load_shipped
 
     build = build_id()
     stored, where, error = _read_store(device, build)
@@ -345,7 +345,7 @@ def _table(device: DeviceInfo) -> _Table:
 
 
 def _registered() -> dict[str, Backend]:
-    from .registry import backends
+    from ..registry import backends
 
     return backends()
 
@@ -373,7 +373,7 @@ def _reasons_text(reasons: dict[str, list[str]]) -> str:
 
 
 def _forced(problem: Problem, device: DeviceInfo | None, backend: str, config: str | None) -> Selection:
-    from .registry import get_backend
+    from ..registry import get_backend
 
     b = get_backend(backend)
     reasons = b.unavailable_reasons() or b.not_supported_reasons(problem, config, device)
@@ -508,7 +508,7 @@ class Explanation:
     rejected: tuple[str, ...]
 
     def __str__(self) -> str:
-        from .db import problem_key
+        from ..db import problem_key
 
         dev = (
             f"{self.device.name} (sm_{self.device.arch}, {self.device.sm_count} SMs, driver "
