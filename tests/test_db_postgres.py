@@ -11,7 +11,7 @@ import optuna
 import pytest
 import sqlalchemy as sa
 
-from sparktune import db
+from sparktune import db, dispatch
 from sparktune.cli import build_parser, main
 from sparktune.cli import tune as tune_cli
 from sparktune.db import Store, problem_key
@@ -31,7 +31,7 @@ SECRET = "pg-Secret_4711"
 
 @pytest.fixture(autouse=True)
 def _no_shipped(monkeypatch):
-    monkeypatch.setenv(db.ENV_SHIPPED, "")
+    monkeypatch.setenv(dispatch.ENV_SHIPPED, "")
 
 
 def run(capsys, *argv):

@@ -161,7 +161,7 @@ def test_shipped_layer_under_the_user_database(path, plugin, tmp_path, monkeypat
     (shipped / "test-gpu.jsonl").write_text(
         "\n".join(db.dumps_record(r) for r in (record(p, config="slow"), record(q, config="slow"))) + "\n"
     )
-    monkeypatch.setenv(db.ENV_SHIPPED, str(shipped))
+    monkeypatch.setenv(dispatch.ENV_SHIPPED, str(shipped))
     _fill(path, [record(p, config="fast", median=9.0)])
     dispatch.reload()
     a, b = dispatch.select(p, DEVICE), dispatch.select(q, DEVICE)
