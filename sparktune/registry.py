@@ -23,9 +23,8 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import logging
-import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .backends.base import Backend
@@ -42,6 +41,7 @@ __all__ = [
     "backend_errors",
     "backends",
     "get_backend",
+    "on_change",
     "register_backend",
     "unregister_backend",
 ]
@@ -110,6 +110,8 @@ _published: dict[str, Backend] = {}
 #: the whole registry in order (built-ins first) once everything is discovered and loaded;
 #: None while something is pending. Replaced, never changed, like ``_published``.
 _published_all: dict[str, Backend] | None = None
+#: called (without arguments, outside the lock) after a backend is registered or removed
+_listeners: list[Callable[[], None]] = []
 
 
 def _publish() -> None:
@@ -253,7 +255,7 @@ def register_backend(backend: Backend, *, replace: bool = False) -> None:
         _errors.pop(name, None)
         _loaded[name] = backend
         _publish()
-    _selections_changed()
+    _changed()
 
 
 def unregister_backend(name: str) -> Backend | None:
@@ -265,16 +267,23 @@ def unregister_backend(name: str) -> Backend | None:
         _errors.pop(name, None)
         removed = _loaded.pop(name, None)
         _publish()
-    _selections_changed()
+    _changed()
     return removed
 
 
-def _selections_changed() -> None:
-    """Dispatch memoises its choices, which depend on the backends registered: tell it to
-    choose again (only when it was imported: otherwise it has chosen nothing yet)."""
-    dispatch = sys.modules.get("sparktune.dispatch")
-    if dispatch is not None:
-        dispatch.invalidate_selections()
+def on_change(callback: Callable[[], None]) -> None:
+    """Call ``callback()`` after every backend registered or removed from now on (dispatch
+    forgets its memoised choices then: which kernels can run depends on the backends)."""
+    with _lock:
+        if callback not in _listeners:
+            _listeners.append(callback)
+
+
+def _changed() -> None:
+    with _lock:
+        listeners = list(_listeners)
+    for callback in listeners:
+        callback()
 
 
 def backend_errors() -> dict[str, str]:

@@ -171,7 +171,8 @@ def reload() -> None:
 
 def invalidate_selections() -> None:
     """Forget the selections made so far, not the records read: called when a backend is
-    registered or removed, since which tuned records can run depends on it."""
+    registered or removed (see :func:`sparktune.registry.on_change`), since which tuned
+    records can run depends on it."""
     global generation
     with _lock:
         _memo.clear()
@@ -309,3 +310,5 @@ def explain(
     table = _table(device) if device is not None else None
     return Explanation.of(problem, device, build_id(), selection, error, table, rejected)
 
+
+registry.on_change(invalidate_selections)

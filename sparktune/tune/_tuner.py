@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..backends.base import Backend, Candidate
 from ..problem import DeviceInfo, Problem
+from ..registry import backends as _registered
 from ._timing import Timer, Timing
 
 if TYPE_CHECKING:
@@ -171,12 +172,6 @@ class TuneResult:
             + [entry(m) for m in self.measurements if m.status != "ok"],
             "excluded": self.excluded,
         }
-
-
-def _registered() -> dict[str, Backend]:
-    from ..registry import backends
-
-    return backends()
 
 
 def tunable_candidates(
