@@ -562,7 +562,7 @@ def _age(seconds: float) -> str:
 
 
 def _leases(args: argparse.Namespace) -> int:
-    from ..db import LeaseBoard
+    from ..tune import LeaseBoard
 
     store = _open(args)
     if isinstance(store, int):

@@ -1,5 +1,10 @@
-"""The tuning store: SQLAlchemy models, schema versions, JSON Lines import/export, merging and
-the lease table of distributed tuning."""
+"""The tuning store: storage only. SQLAlchemy models and schema versions, the store's records
+in and out (JSON Lines import and export, merging other stores and files), where the store
+lives and how to connect to it, and the building blocks of the tables other layers keep in the
+same database (the tuner's leases).
+
+What records a device sees, their ranking and the local snapshot of a shared server are
+dispatch's (:mod:`sparktune.dispatch`); the leases of distributed tuning are the tuner's."""
 
 from __future__ import annotations
 
@@ -7,11 +12,14 @@ from ._engine import (
     ENV_DB,
     cache_dir,
     default_path,
+    insert_ignore,
     is_network,
     is_transient_error,
     resolve_url,
     safe_url,
     scrub,
+    server_time,
+    write_connection,
 )
 from ._jsonl import (
     ImportReport,
@@ -23,8 +31,8 @@ from ._jsonl import (
     registry_kernel_check,
     write_jsonl,
 )
-from ._leases import Claim, LeaseBoard, LeaseInfo, LeaseLost, new_owner_id, work_id
-from ._merge import MergeReport, SourceReport, WinnerChange, merge, read_source
+from ._merge import MergeReport, SourceReport, WinnerChange, merge
+from ._models import Lease
 from ._records import (
     FORMAT_VERSION,
     STATUSES,
@@ -36,56 +44,56 @@ from ._records import (
     problem_key,
     record_from_json,
     record_to_json,
-    validate_record,
 )
 from ._schema import SCHEMA_VERSION, SchemaError, SchemaOutdatedError, SchemaTooNewError
-from ._store import RowError, Store, StoreMissingError, open_error_text
+from ._store import RowError, Store, StoreMissingError, open_error_text, with_retry
 
 __all__ = [
-    "ENV_DB",
+    # the store and its records
     "FORMAT_VERSION",
     "SCHEMA_VERSION",
     "STATUSES",
-    "Claim",
-    "ImportReport",
-    "LeaseBoard",
-    "LeaseInfo",
-    "LeaseLost",
-    "LineError",
-    "MergeReport",
     "Record",
     "RecordError",
     "RowError",
     "SchemaError",
     "SchemaOutdatedError",
     "SchemaTooNewError",
-    "SourceReport",
     "Store",
     "StoreMissingError",
-    "WinnerChange",
-    "cache_dir",
-    "default_path",
     "device_label",
-    "dumps_record",
-    "import_jsonl",
-    "is_network",
-    "is_transient_error",
-    "merge",
-    "new_owner_id",
     "now_utc",
     "open_error_text",
-    "parse_jsonl",
     "parse_problem_key",
     "problem_key",
-    "read_jsonl_file",
-    "read_source",
     "record_from_json",
     "record_to_json",
-    "registry_kernel_check",
+    # where it lives
+    "ENV_DB",
+    "cache_dir",
+    "default_path",
+    "is_network",
+    "is_transient_error",
     "resolve_url",
     "safe_url",
     "scrub",
-    "validate_record",
-    "work_id",
+    # import, export, merge
+    "ImportReport",
+    "LineError",
+    "MergeReport",
+    "SourceReport",
+    "WinnerChange",
+    "dumps_record",
+    "import_jsonl",
+    "merge",
+    "parse_jsonl",
+    "read_jsonl_file",
+    "registry_kernel_check",
     "write_jsonl",
+    # for the tables other layers keep in the store (the tuner's leases)
+    "Lease",
+    "insert_ignore",
+    "server_time",
+    "with_retry",
+    "write_connection",
 ]
