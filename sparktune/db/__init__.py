@@ -1,7 +1,7 @@
 """The tuning store: storage only. SQLAlchemy models and schema versions, the store's records
 in and out (JSON Lines import and export, merging other stores and files), where the store
-lives and how to connect to it, and the building blocks of the tables other layers keep in the
-same database (the tuner's leases).
+lives and how to connect to it, the Optuna storage of the tuner's studies in the same database,
+and the building blocks of the tables other layers keep there (the tuner's leases).
 
 What records a device sees, their ranking and the local snapshot of a shared server are
 dispatch's (:mod:`sparktune.dispatch`); the leases of distributed tuning are the tuner's."""
@@ -33,6 +33,7 @@ from ._jsonl import (
 )
 from ._merge import MergeReport, SourceReport, WinnerChange, merge
 from ._models import Lease
+from ._optuna import optuna_storage
 from ._records import (
     FORMAT_VERSION,
     STATUSES,
@@ -90,6 +91,8 @@ __all__ = [
     "read_jsonl_file",
     "registry_kernel_check",
     "write_jsonl",
+    # the tuner's Optuna studies, stored in the same database
+    "optuna_storage",
     # for the tables other layers keep in the store (the tuner's leases)
     "Lease",
     "insert_ignore",
