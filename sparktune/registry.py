@@ -32,15 +32,18 @@ from .backends.base import Backend
 if TYPE_CHECKING:
     import torch
 
+    from .db import Record
     from .problem import DeviceInfo, Problem
 
 __all__ = [
+    "BUILD_BOUND_BACKENDS",
     "BUILTIN_BACKENDS",
     "ENTRY_POINT_GROUP",
     "UnavailableBackend",
     "backend_errors",
     "backends",
     "get_backend",
+    "kernel_check",
     "on_change",
     "register_backend",
     "unregister_backend",
@@ -292,6 +295,44 @@ def backend_errors() -> dict[str, str]:
     backends()
     with _lock:
         return dict(_errors)
+
+
+#: backends whose catalogue of kernels is the compiled family that ``build_id`` identifies
+BUILD_BOUND_BACKENDS = ("spark",)
+
+
+def kernel_check(build_id: str | None = None) -> Callable[[Record], str | None]:
+    """A check of tuning records (for ``db import`` and ``db merge``): that the record's
+    backend is registered here and, when that backend can list its configurations in this
+    process, that the config is one of them; it returns the reason a record is refused, or
+    None. With ``build_id``
+    (this installation's kernel build), the configs of a :data:`BUILD_BOUND_BACKENDS` backend
+    are checked only in records of that build: another build's catalogue is not known here,
+    and its records are kept (dispatch never uses them on this build)."""
+    registered = backends()
+    known: dict[tuple[str, str], set[str] | None] = {}
+
+    def check(r: Record) -> str | None:
+        b = registered.get(r.backend)
+        if b is None:
+            names = ", ".join(sorted(registered)) or "none"
+            return f"backend: unknown backend {r.backend!r} (registered: {names})"
+        if build_id is not None and r.build_id != build_id and r.backend in BUILD_BOUND_BACKENDS:
+            return None
+        key = (r.backend, r.problem.op)
+        if key not in known:
+            try:
+                configs = set(b.configs(r.problem.op)) if not b.unavailable_reasons() else set()
+            except Exception:  # noqa: BLE001 - a broken backend cannot vouch for configs
+                configs = set()
+            known[key] = configs or None
+        configs = known[key]
+        if configs is not None and r.config not in configs:
+            return f"config: unknown kernel {r.config!r} for backend {r.backend!r} op {r.problem.op!r}"
+        return None
+
+    return check
+
 
 
 def _reset() -> None:

@@ -452,14 +452,25 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _import(args: argparse.Namespace) -> int:
-    from ..db import import_jsonl, registry_kernel_check
+def _target(args: argparse.Namespace) -> tuple[Any, Any] | int:
+    """The database to write into (created when missing) and the check of the records' kernels
+    (None with --no-kernel-check), or an int exit code after a one-line error."""
     from ..dispatch import build_id
+    from ..registry import kernel_check
 
     store = _open(args, create=True)
     if isinstance(store, int):
         return store
-    check = None if args.no_kernel_check else registry_kernel_check(build_id())
+    return store, None if args.no_kernel_check else kernel_check(build_id())
+
+
+def _import(args: argparse.Namespace) -> int:
+    from ..db import import_jsonl
+
+    target = _target(args)
+    if isinstance(target, int):
+        return target
+    store, check = target
     with store:
         try:
             report = import_jsonl(store, args.file, skip_invalid=args.skip_invalid, check=check)
@@ -490,13 +501,13 @@ def _record_text(r: Any) -> str:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from ..db import merge, record_to_json, registry_kernel_check
-    from ..dispatch import build_id, rank
+    from ..db import merge, record_to_json
+    from ..dispatch import rank
 
-    store = _open(args, create=True)
-    if isinstance(store, int):
-        return store
-    check = None if args.no_kernel_check else registry_kernel_check(build_id())
+    target = _target(args)
+    if isinstance(target, int):
+        return target
+    store, check = target
     with store:
         try:
             report = merge(

@@ -28,7 +28,6 @@ from ._jsonl import (
     import_jsonl,
     parse_jsonl,
     read_jsonl_file,
-    registry_kernel_check,
     write_jsonl,
 )
 from ._merge import MergeReport, SourceReport, WinnerChange, merge
@@ -89,7 +88,6 @@ __all__ = [
     "merge",
     "parse_jsonl",
     "read_jsonl_file",
-    "registry_kernel_check",
     "write_jsonl",
     # the tuner's Optuna studies, stored in the same database
     "optuna_storage",
