@@ -314,10 +314,6 @@ class Store:
         with self.engine.connect() as conn, conn.begin():
             return int(conn.execute(sa.select(sa.func.count()).select_from(Measurement)).scalar_one())
 
-    @staticmethod
-    def current_schema() -> int:
-        return SCHEMA_VERSION
-
     @classmethod
     def upgrade_database(cls, url: str | os.PathLike[str] | URL | None = None, *, timeout: float = 30.0) -> tuple[int | None, int]:
         """Create or upgrade the store at ``url``; returns (version before, version after)."""

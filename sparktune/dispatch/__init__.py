@@ -226,7 +226,7 @@ def _load_table(device: DeviceInfo) -> Table:
     )
     for notice in loaded.notices:
         _warn_once(notice.key, notice.message, notice.level)
-    return table_of(loaded.ranked(), loaded.sources, loaded.error)
+    return table_of(loaded.ranked(), loaded.sources)
 
 
 def _table(device: DeviceInfo) -> Table:
@@ -240,7 +240,7 @@ def _table(device: DeviceInfo) -> Table:
                     table = _load_table(device)
                 except Exception as exc:  # noqa: BLE001 - last line of defence
                     _warn_once("table", f"sparktune: cannot load tuning records ({exc}); using the default kernels")
-                    table = Table({}, {}, [], str(exc))
+                    table = Table({}, {}, [])
                 _tables[key] = table
     return table
 

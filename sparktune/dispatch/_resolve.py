@@ -73,16 +73,15 @@ class Table:
     ranked: dict[Problem, list[Record]]
     by_kind: dict[tuple[Any, ...], list[Problem]]
     sources: list[str]
-    error: str = ""
 
 
-def table_of(ranked: dict[Problem, list[Record]], sources: list[str], error: str = "") -> Table:
+def table_of(ranked: dict[Problem, list[Record]], sources: list[str]) -> Table:
     """The table of ranked records, with the problems of each kind listed for the nearest
     shape."""
     by_kind: dict[tuple[Any, ...], list[Problem]] = {}
     for p in ranked:
         by_kind.setdefault(_kind(p), []).append(p)
-    return Table(ranked, by_kind, sources, error)
+    return Table(ranked, by_kind, sources)
 
 
 # --------------------------------------------------------------------------- resolution
