@@ -464,6 +464,13 @@ def _target(args: argparse.Namespace) -> tuple[Any, Any] | int:
     return store, None if args.no_kernel_check else kernel_check(build_id())
 
 
+def _write_failed(args: argparse.Namespace, store: Any, exc: BaseException, doing: str, done: str) -> int:
+    """One line, no traceback, no password."""
+    from ..db import open_error_text
+
+    return _fail(f"cannot {doing} into {store.display_url}: {open_error_text(exc, args.db)}; nothing {done}")
+
+
 def _import(args: argparse.Namespace) -> int:
     from ..db import import_jsonl
 
@@ -476,10 +483,8 @@ def _import(args: argparse.Namespace) -> int:
             report = import_jsonl(store, args.file, skip_invalid=args.skip_invalid, check=check)
         except OSError as e:
             return _fail(f"cannot read {args.file}: {e.strerror or e}")
-        except Exception as exc:  # noqa: BLE001 - one line, no traceback, no password
-            from ..db import open_error_text
-
-            return _fail(f"cannot import into {store.display_url}: {open_error_text(exc, args.db)}; nothing imported")
+        except Exception as exc:  # noqa: BLE001
+            return _write_failed(args, store, exc, "import", "imported")
         where = store.display_url
     for e in report.errors:
         print(f"{e}", file=sys.stderr)
@@ -513,10 +518,8 @@ def _merge(args: argparse.Namespace) -> int:
             report = merge(
                 store, args.sources, skip_invalid=args.skip_invalid, check=check, dry_run=args.dry_run, rank=rank
             )
-        except Exception as exc:  # noqa: BLE001 - one line, no traceback, no password
-            from ..db import open_error_text
-
-            return _fail(f"cannot merge into {store.display_url}: {open_error_text(exc, args.db)}; nothing merged")
+        except Exception as exc:  # noqa: BLE001
+            return _write_failed(args, store, exc, "merge", "merged")
     for e in report.errors:
         print(f"{e}", file=sys.stderr)
     failed = [s for s in report.sources if s.failed]
