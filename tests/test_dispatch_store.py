@@ -170,6 +170,26 @@ def test_shipped_layer_under_the_user_database(path, plugin, tmp_path, monkeypat
     assert "1 shipped file(s)" in str(dispatch.explain(q, DEVICE))
 
 
+def test_load_records_reads_the_layers_of_a_device_and_build(path, tmp_path, monkeypatch):
+    p = problem()
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    mine, other, old = record(p, config="slow"), record(p, device=OTHER_DEVICE), record(p, build="another-build")
+    (shipped / "test-gpu.jsonl").write_text("".join(db.dumps_record(r) + "\n" for r in (mine, other, old)))
+    monkeypatch.setenv(dispatch.ENV_SHIPPED, str(shipped))
+    missing = dispatch.load_records(DEVICE, BUILD, db=path)
+    assert missing.missing and missing.error  # named explicitly: worth a warning
+    assert missing.stored == [] and [r.uid for r in missing.shipped] == [mine.uid]
+    _fill(path, [record(p, config="fast"), record(p, config="fast", build="another-build")])
+    loaded = dispatch.load_records(DEVICE, BUILD, db=path)
+    assert (loaded.error, loaded.missing, loaded.opened, loaded.notices) == ("", False, True, [])
+    assert [r.config for r in loaded.stored] == ["fast"] and [r.uid for r in loaded.shipped] == [mine.uid]
+    assert loaded.sources == [Store(path).display_url, "1 shipped file(s)"]
+    assert [r.config for r in loaded.ranked()[p]] == ["fast"]  # the database layer decides
+    everything = dispatch.load_records(db=path, shipped=False)
+    assert len(everything.stored) == 2 and everything.shipped == [] and everything.sources == [everything.where]
+
+
 def test_explain(path, plugin):
     p = problem()
     _fill(path, [record(p, config="fast", median=1.0), record(p, config="slow", median=4.0)])
