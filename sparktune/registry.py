@@ -23,9 +23,8 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import logging
-import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .backends.base import Backend
@@ -33,15 +32,19 @@ from .backends.base import Backend
 if TYPE_CHECKING:
     import torch
 
+    from .db import Record
     from .problem import DeviceInfo, Problem
 
 __all__ = [
+    "BUILD_BOUND_BACKENDS",
     "BUILTIN_BACKENDS",
     "ENTRY_POINT_GROUP",
     "UnavailableBackend",
     "backend_errors",
     "backends",
     "get_backend",
+    "kernel_check",
+    "on_change",
     "register_backend",
     "unregister_backend",
 ]
@@ -110,6 +113,8 @@ _published: dict[str, Backend] = {}
 #: the whole registry in order (built-ins first) once everything is discovered and loaded;
 #: None while something is pending. Replaced, never changed, like ``_published``.
 _published_all: dict[str, Backend] | None = None
+#: called (without arguments, outside the lock) after a backend is registered or removed
+_listeners: list[Callable[[], None]] = []
 
 
 def _publish() -> None:
@@ -253,7 +258,7 @@ def register_backend(backend: Backend, *, replace: bool = False) -> None:
         _errors.pop(name, None)
         _loaded[name] = backend
         _publish()
-    _selections_changed()
+    _changed()
 
 
 def unregister_backend(name: str) -> Backend | None:
@@ -265,16 +270,23 @@ def unregister_backend(name: str) -> Backend | None:
         _errors.pop(name, None)
         removed = _loaded.pop(name, None)
         _publish()
-    _selections_changed()
+    _changed()
     return removed
 
 
-def _selections_changed() -> None:
-    """Dispatch memoises its choices, which depend on the backends registered: tell it to
-    choose again (only when it was imported: otherwise it has chosen nothing yet)."""
-    dispatch = sys.modules.get("sparktune.dispatch")
-    if dispatch is not None:
-        dispatch.invalidate_selections()
+def on_change(callback: Callable[[], None]) -> None:
+    """Call ``callback()`` after every backend registered or removed from now on (dispatch
+    forgets its memoised choices then: which kernels can run depends on the backends)."""
+    with _lock:
+        if callback not in _listeners:
+            _listeners.append(callback)
+
+
+def _changed() -> None:
+    with _lock:
+        listeners = list(_listeners)
+    for callback in listeners:
+        callback()
 
 
 def backend_errors() -> dict[str, str]:
@@ -283,6 +295,44 @@ def backend_errors() -> dict[str, str]:
     backends()
     with _lock:
         return dict(_errors)
+
+
+#: backends whose catalogue of kernels is the compiled family that ``build_id`` identifies
+BUILD_BOUND_BACKENDS = ("spark",)
+
+
+def kernel_check(build_id: str | None = None) -> Callable[[Record], str | None]:
+    """A check of tuning records (for ``db import`` and ``db merge``): that the record's
+    backend is registered here and, when that backend can list its configurations in this
+    process, that the config is one of them; it returns the reason a record is refused, or
+    None. With ``build_id``
+    (this installation's kernel build), the configs of a :data:`BUILD_BOUND_BACKENDS` backend
+    are checked only in records of that build: another build's catalogue is not known here,
+    and its records are kept (dispatch never uses them on this build)."""
+    registered = backends()
+    known: dict[tuple[str, str], set[str] | None] = {}
+
+    def check(r: Record) -> str | None:
+        b = registered.get(r.backend)
+        if b is None:
+            names = ", ".join(sorted(registered)) or "none"
+            return f"backend: unknown backend {r.backend!r} (registered: {names})"
+        if build_id is not None and r.build_id != build_id and r.backend in BUILD_BOUND_BACKENDS:
+            return None
+        key = (r.backend, r.problem.op)
+        if key not in known:
+            try:
+                configs = set(b.configs(r.problem.op)) if not b.unavailable_reasons() else set()
+            except Exception:  # noqa: BLE001 - a broken backend cannot vouch for configs
+                configs = set()
+            known[key] = configs or None
+        configs = known[key]
+        if configs is not None and r.config not in configs:
+            return f"config: unknown kernel {r.config!r} for backend {r.backend!r} op {r.problem.op!r}"
+        return None
+
+    return check
+
 
 
 def _reset() -> None:

@@ -7,7 +7,7 @@ import sqlite3
 
 import pytest
 
-from sparktune import db
+from sparktune import db, dispatch
 from sparktune.cli import main
 from sparktune.db import Store, problem_key
 from tests._store_helpers import OTHER_DEVICE, problem, record
@@ -16,7 +16,7 @@ from tests.test_db_schema import SCHEMA_V1
 
 @pytest.fixture
 def path(tmp_path, monkeypatch):
-    monkeypatch.setenv(db.ENV_SHIPPED, "")
+    monkeypatch.setenv(dispatch.ENV_SHIPPED, "")
     p = tmp_path / "cli.sqlite3"
     with Store(p) as s:
         s.add([
@@ -50,7 +50,7 @@ def test_list_missing_and_shipped(tmp_path, capsys, monkeypatch):
     shipped = tmp_path / "shipped"
     shipped.mkdir()
     (shipped / "test-gpu.jsonl").write_text(db.dumps_record(record(config="medium")) + "\n")
-    monkeypatch.setenv(db.ENV_SHIPPED, str(shipped))
+    monkeypatch.setenv(dispatch.ENV_SHIPPED, str(shipped))
     code, out, _ = run(capsys, "db", "list", "--db", str(tmp_path / "none.sqlite3"))
     assert code == 0 and "not created yet" in out and "shipped:test-gpu.jsonl" in out
     code, out, _ = run(capsys, "db", "list", "--db", str(tmp_path / "none.sqlite3"), "--no-shipped")

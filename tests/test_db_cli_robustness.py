@@ -22,7 +22,7 @@ SECRET = "q-Secret_8812"
 
 @pytest.fixture(autouse=True)
 def _env(monkeypatch):
-    monkeypatch.setenv(db.ENV_SHIPPED, "")
+    monkeypatch.setenv(dispatch.ENV_SHIPPED, "")
     monkeypatch.setattr(dispatch, "build_id", lambda: BUILD)
     with registered_plugin(None):
         yield
@@ -59,7 +59,7 @@ def test_list_says_which_layer_each_record_comes_from_and_which_decides(tmp_path
         db.dumps_record(record(p, config="slow", median=0.5)) + "\n" + db.dumps_record(record(q, config="medium")) + "\n"
     )
     (shipped / "other-gpu.jsonl").write_text(db.dumps_record(record(p, config="fast", device=OTHER_DEVICE)) + "\n")
-    monkeypatch.setenv(db.ENV_SHIPPED, str(shipped))
+    monkeypatch.setenv(dispatch.ENV_SHIPPED, str(shipped))
     path = _sqlite(tmp_path / "u.sqlite3", [record(p, config="fast", median=2.0)])
     where = Store(path).display_url
 
@@ -129,13 +129,13 @@ def test_query_password_on_a_server(pg_url, capsys, tmp_path):  # noqa: F811
     # dispatch's snapshot of the server names it without the password
     dispatch.configure(url)
     assert dispatch.select(problem(), DEVICE).source == "tuned"
-    snaps = list(db.snapshot_path(db.resolve_url(url), DEVICE, BUILD).parent.glob("*.json"))
+    snaps = list(dispatch.snapshot_path(db.resolve_url(url), DEVICE, BUILD).parent.glob("*.json"))
     assert snaps and all(SECRET not in f.read_text() for f in snaps)
 
 
 @pytest.fixture(autouse=True)
 def _snapshots(tmp_path, monkeypatch):
-    monkeypatch.setenv(db.ENV_SNAPSHOT_DIR, str(tmp_path / "snapshots"))
+    monkeypatch.setenv(dispatch.ENV_SNAPSHOT_DIR, str(tmp_path / "snapshots"))
 
 
 # --------------------------------------------------------------------------- damaged input
@@ -233,7 +233,7 @@ def test_a_record_in_both_layers_is_listed_once_per_layer(tmp_path, capsys, monk
     shipped = tmp_path / "shipped"
     shipped.mkdir()
     (shipped / "test-gpu.jsonl").write_text(db.dumps_record(mine) + "\n" + db.dumps_record(record(p, config="slow", median=4.0)) + "\n")
-    monkeypatch.setenv(db.ENV_SHIPPED, str(shipped))
+    monkeypatch.setenv(dispatch.ENV_SHIPPED, str(shipped))
     path = _sqlite(tmp_path / "u.sqlite3", [mine])
     code, out, _ = run(capsys, "db", "list", "--db", str(path), "--json")
     data = json.loads(out)

@@ -9,7 +9,8 @@ import threading
 import pytest
 
 from sparktune import db
-from sparktune.db import LeaseBoard, Store
+from sparktune.db import Store
+from sparktune.tune import LeaseBoard, new_owner_id
 from tests._pg import pg_url  # noqa: F401 - fixture
 from tests._store_helpers import ServerClock, problem, record
 
@@ -79,7 +80,7 @@ def test_lease_must_be_positive(store):
 
 
 def test_owner_ids_are_unique():
-    ids = {db.new_owner_id() for _ in range(50)}
+    ids = {new_owner_id() for _ in range(50)}
     assert len(ids) == 50 and all(i.count(":") == 2 for i in ids)
 
 

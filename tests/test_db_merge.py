@@ -12,14 +12,15 @@ import pytest
 
 from sparktune import db, dispatch
 from sparktune.cli import main
-from sparktune.db import Store, merge, problem_key, rank
+from sparktune.db import Store, merge, problem_key
+from sparktune.dispatch import rank
 from tests._store_helpers import BUILD, DEVICE, OTHER_DEVICE, problem, record, registered_plugin
 
 
 @pytest.fixture(autouse=True)
 def _plugin(monkeypatch):
     """The known-cost backend registered (the records' backend), no shipped layer."""
-    monkeypatch.setenv(db.ENV_SHIPPED, "")
+    monkeypatch.setenv(dispatch.ENV_SHIPPED, "")
     monkeypatch.setattr(dispatch, "build_id", lambda: BUILD)
     with registered_plugin(None):
         yield
@@ -81,7 +82,7 @@ def test_slower_merged_record_does_not_win(tmp_path):
     mine = record(p, config="fast", median=1.0)
     dest.add([mine])
     src = _jsonl(tmp_path / "s.jsonl", [record(p, config="fast", median=1.5, host="slowpoke")])
-    report = merge(dest, [str(src)])
+    report = merge(dest, [str(src)], rank=rank)
     assert report.added == 1 and report.changes == []
     assert rank(dest.records())[p][0].uid == mine.uid
     dest.close()

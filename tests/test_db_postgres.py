@@ -11,11 +11,11 @@ import optuna
 import pytest
 import sqlalchemy as sa
 
-from sparktune import db
+from sparktune import db, dispatch
 from sparktune.cli import build_parser, main
 from sparktune.cli import tune as tune_cli
 from sparktune.db import Store, problem_key
-from sparktune.tune import CostTimer
+from sparktune.tune import CostTimer, LeaseBoard
 from tests._pg import pg_url, with_password  # noqa: F401 - fixture
 from tests._store_helpers import (
     DEVICE,
@@ -31,7 +31,7 @@ SECRET = "pg-Secret_4711"
 
 @pytest.fixture(autouse=True)
 def _no_shipped(monkeypatch):
-    monkeypatch.setenv(db.ENV_SHIPPED, "")
+    monkeypatch.setenv(dispatch.ENV_SHIPPED, "")
 
 
 def run(capsys, *argv):
@@ -88,7 +88,7 @@ def test_upgrade_from_schema_2(pg_url):  # noqa: F811
     eng.dispose()
     assert Store.upgrade_database(pg_url) == (2, db.SCHEMA_VERSION)
     with Store(pg_url) as s:
-        assert db.LeaseBoard(s).claim("w", "x") is not None
+        assert LeaseBoard(s).claim("w", "x") is not None
 
 
 def test_cli_never_shows_the_password(pg_url, capsys, tmp_path):  # noqa: F811

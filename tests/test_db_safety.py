@@ -15,7 +15,7 @@ from sparktune.tune import CostTimer, Tuner, load_recipe
 from tests._store_helpers import DEVICE, known_cost, problem, record, registered_plugin
 
 PKG = Path(__file__).resolve().parent.parent / "sparktune"
-OWN = ["db", "tune", "dispatch.py", "cli/db.py", "cli/tune.py"]
+OWN = ["db", "tune", "dispatch", "cli/db.py", "cli/tune.py"]
 UNSAFE_MODULES = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"}
 
 
@@ -60,7 +60,7 @@ def test_tune_merge_and_dispatch_never_unpickle(tmp_path, monkeypatch):
     monkeypatch.setattr(pickle, "loads", refuse)
     monkeypatch.setattr(pickle, "load", refuse)
     monkeypatch.setattr(pickle, "Unpickler", refuse)
-    monkeypatch.setenv(db.ENV_SHIPPED, "")
+    monkeypatch.setenv(dispatch.ENV_SHIPPED, "")
     path = tmp_path / "s.sqlite3"
     with Store(path) as store, registered_plugin(path):
         p = problem(batch=1, heads_q=1, heads_kv=1, seqlen_q=16, seqlen_k=16, head_dim=16)
@@ -70,5 +70,5 @@ def test_tune_merge_and_dispatch_never_unpickle(tmp_path, monkeypatch):
         tuner.tune(p, resume=True)  # reads the study's trials back
         src = tmp_path / "in.jsonl"
         src.write_text(db.dumps_record(record(problem(), config="fast")) + "\n")
-        db.merge(store, [str(src)])
+        db.merge(store, [str(src)], rank=dispatch.rank)
         assert dispatch.select(p, DEVICE).source == "tuned"

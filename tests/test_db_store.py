@@ -8,7 +8,7 @@ import os
 import pytest
 import sqlalchemy as sa
 
-from sparktune import db
+from sparktune import db, dispatch
 from sparktune.db import Store
 from tests._store_helpers import BUILD, DEVICE, OTHER_DEVICE, problem, record
 
@@ -73,7 +73,7 @@ def test_rank_takes_latest_measurement_and_ok_only():
         record(p, config="mid", median=2.0),
         record(p, config="mid", median=2.5),
     ]
-    ranked = db.rank(recs, DEVICE)[p]
+    ranked = dispatch.rank(recs, DEVICE)[p]
     assert [(r.config, r.median_ms) for r in ranked] == [("mid", 2.5), ("slow", 3.0)]
 
 
@@ -81,16 +81,16 @@ def test_rank_prefers_exact_driver():
     p = problem()
     other_driver = dataclasses.replace(DEVICE, driver="123")
     recs = [record(p, config="x", median=1.0, device=other_driver), record(p, config="y", median=2.0)]
-    assert [r.config for r in db.rank(recs, DEVICE)[p]] == ["y"]
+    assert [r.config for r in dispatch.rank(recs, DEVICE)[p]] == ["y"]
     # no record with this driver: the GPU model's records are used
-    assert [r.config for r in db.rank(recs[:1], DEVICE)[p]] == ["x"]
+    assert [r.config for r in dispatch.rank(recs[:1], DEVICE)[p]] == ["x"]
 
 
 def test_layers_more_specific_wins():
     p, q = problem(), problem(seqlen_q=512, seqlen_k=512)
     user = [record(p, config="user", median=5.0)]
     shipped = [record(p, config="shipped", median=1.0), record(q, config="shipped", median=1.0)]
-    merged = db.layered([user, shipped], DEVICE)
+    merged = dispatch.layered([user, shipped], DEVICE)
     assert merged[p][0].config == "user"
     assert merged[q][0].config == "shipped"
 
@@ -100,12 +100,12 @@ def test_shipped_layer_reads_jsonl_and_reports_bad_lines(tmp_path, monkeypatch):
     d.mkdir()
     good = db.dumps_record(record())
     (d / "test-gpu.jsonl").write_text(good + "\n{not json\n")
-    monkeypatch.setenv(db.ENV_SHIPPED, str(d))
-    recs, errors = db.load_shipped()
+    monkeypatch.setenv(dispatch.ENV_SHIPPED, str(d))
+    recs, errors = dispatch.load_shipped()
     assert len(recs) == 1 and recs[0].source == "shipped:test-gpu.jsonl"
     assert len(errors) == 1 and errors[0].line == 2
-    monkeypatch.setenv(db.ENV_SHIPPED, "")
-    assert db.load_shipped() == ([], [])
+    monkeypatch.setenv(dispatch.ENV_SHIPPED, "")
+    assert dispatch.load_shipped() == ([], [])
 
 
 def test_url_resolution(tmp_path, monkeypatch):

@@ -31,7 +31,7 @@ SECRET = "snap-secret-91x"
 
 @pytest.fixture(autouse=True)
 def _env(tmp_path, monkeypatch):
-    monkeypatch.setenv(db.ENV_SNAPSHOT_DIR, str(tmp_path / "snapshots"))
+    monkeypatch.setenv(dispatch.ENV_SNAPSHOT_DIR, str(tmp_path / "snapshots"))
     monkeypatch.setattr(dispatch, "build_id", lambda: BUILD)
     monkeypatch.delenv(dispatch.ENV_SNAPSHOT_TTL, raising=False)
 
@@ -95,7 +95,7 @@ def test_no_snapshot_and_a_damaged_one_mean_the_defaults(pg_url, tmp_path, caplo
             (w,) = _warnings(caplog)
             assert "using the default kernels" in w and SECRET not in w
             # a damaged snapshot is never trusted
-            path = db.snapshot_path(db.resolve_url(url), DEVICE, BUILD)
+            path = dispatch.snapshot_path(db.resolve_url(url), DEVICE, BUILD)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text('{"snapshot": 1, "taken_at": "2026-01-01T00:00:00Z", "records": [{"format": 1}]}')
             dispatch.reload()

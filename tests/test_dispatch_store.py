@@ -162,13 +162,33 @@ def test_shipped_layer_under_the_user_database(path, plugin, tmp_path, monkeypat
     (shipped / "test-gpu.jsonl").write_text(
         "\n".join(db.dumps_record(r) for r in (record(p, config="slow"), record(q, config="slow"))) + "\n"
     )
-    monkeypatch.setenv(db.ENV_SHIPPED, str(shipped))
+    monkeypatch.setenv(dispatch.ENV_SHIPPED, str(shipped))
     _fill(path, [record(p, config="fast", median=9.0)])
     dispatch.reload()
     a, b = dispatch.select(p, DEVICE), dispatch.select(q, DEVICE)
     assert (a.candidate.config, a.record.source) == ("fast", Store(path).display_url)
     assert (b.candidate.config, b.record.source) == ("slow", "shipped:test-gpu.jsonl")
     assert "1 shipped file(s)" in str(dispatch.explain(q, DEVICE))
+
+
+def test_load_records_reads_the_layers_of_a_device_and_build(path, tmp_path, monkeypatch):
+    p = problem()
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    mine, other, old = record(p, config="slow"), record(p, device=OTHER_DEVICE), record(p, build="another-build")
+    (shipped / "test-gpu.jsonl").write_text("".join(db.dumps_record(r) + "\n" for r in (mine, other, old)))
+    monkeypatch.setenv(dispatch.ENV_SHIPPED, str(shipped))
+    missing = dispatch.load_records(DEVICE, BUILD, db=path)
+    assert missing.missing and missing.error  # named explicitly: worth a warning
+    assert missing.stored == [] and [r.uid for r in missing.shipped] == [mine.uid]
+    _fill(path, [record(p, config="fast"), record(p, config="fast", build="another-build")])
+    loaded = dispatch.load_records(DEVICE, BUILD, db=path)
+    assert (loaded.error, loaded.missing, loaded.opened, loaded.notices) == ("", False, True, [])
+    assert [r.config for r in loaded.stored] == ["fast"] and [r.uid for r in loaded.shipped] == [mine.uid]
+    assert loaded.sources == [Store(path).display_url, "1 shipped file(s)"]
+    assert [r.config for r in loaded.ranked()[p]] == ["fast"]  # the database layer decides
+    everything = dispatch.load_records(db=path, shipped=False)
+    assert len(everything.stored) == 2 and everything.shipped == [] and everything.sources == [everything.where]
 
 
 def test_explain(path, plugin):

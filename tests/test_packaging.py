@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 import sparktune
-from sparktune import db
-from sparktune.db import _layers
+from sparktune import db, dispatch
+from sparktune.dispatch import _ranking
 from tests._store_helpers import problem, record
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LOADER = r"""
 import json
 import sparktune
-from sparktune.db import load_shipped, shipped_dir
+from sparktune.dispatch import load_shipped, shipped_dir
 d = shipped_dir()
 records, bad = load_shipped()
 print("LOADER " + json.dumps({"package": sparktune.__file__, "dir": str(d) if d else None,
@@ -38,7 +38,7 @@ def _run_loader(paths: list[Path]) -> dict:
     """Run the layer loader in a fresh interpreter that sees only ``paths`` and this
     environment's site-packages, without its .pth files (so an editable install of the
     checkout does not answer for ``import sparktune``)."""
-    env = {k: v for k, v in os.environ.items() if k not in (db.ENV_SHIPPED, "PYTHONPATH")}
+    env = {k: v for k, v in os.environ.items() if k not in (dispatch.ENV_SHIPPED, "PYTHONPATH")}
     env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), sysconfig.get_paths()["purelib"]])
     done = subprocess.run([sys.executable, "-S", "-c", LOADER], capture_output=True, text=True, env=env,
                           cwd=paths[0], timeout=300)
@@ -79,17 +79,17 @@ def test_wheel_state_maps_tuning_db_into_the_package():
 
 
 def test_source_checkout_reads_tuning_db_beside_the_package(monkeypatch, tmp_path):
-    monkeypatch.delenv(db.ENV_SHIPPED, raising=False)
+    monkeypatch.delenv(dispatch.ENV_SHIPPED, raising=False)
     if not Path(sparktune.__file__).resolve().is_relative_to(ROOT):
         pytest.skip(f"sparktune is imported from {sparktune.__file__}, not from this checkout")
-    assert db.shipped_dir() == ROOT / "tuning_db"
+    assert dispatch.shipped_dir() == ROOT / "tuning_db"
     # a checkout elsewhere: tuning_db beside the package, next to pyproject.toml
     checkout = tmp_path / "checkout"
     (checkout / "sparktune").mkdir(parents=True)
     (checkout / "pyproject.toml").write_text("[project]\nname = 'sparktune'\n")
     _jsonl(checkout / "tuning_db" / "test-gpu.jsonl", "fast")
-    assert _layers.packaged_dir(checkout / "sparktune") == checkout / "tuning_db"
-    records, bad = db.load_shipped(_layers.packaged_dir(checkout / "sparktune"))
+    assert _ranking.packaged_dir(checkout / "sparktune") == checkout / "tuning_db"
+    records, bad = dispatch.load_shipped(_ranking.packaged_dir(checkout / "sparktune"))
     assert [r.config for r in records] == ["fast"] and bad == []
     assert records[0].source == "shipped:test-gpu.jsonl"
 
@@ -138,7 +138,7 @@ def test_wheel_carries_the_shipped_records(tmp_path):
     (wheel,) = wheels.glob("sparktune-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "sparktune/tuning_db/test-gpu.jsonl" in names, names
-    assert "sparktune/db/_layers.py" in names
+    assert "sparktune/dispatch/_ranking.py" in names
     target = tmp_path / "installed"
     done = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)],

@@ -232,3 +232,18 @@ def test_lock_free_readers_see_every_change_at_once():
     assert "reference" in backends() and "intruder" not in backends()
     with pytest.raises(ValueError, match="unknown backend 'intruder'"):
         get_backend("intruder")
+
+
+def test_change_listeners_hear_of_every_registration_and_removal():
+    heard = []
+
+    def listener():
+        heard.append(sorted(backends()))
+
+    registry.on_change(listener)
+    try:
+        register_backend(PluginBackend())
+        unregister_backend("plugin")
+    finally:
+        registry._listeners.remove(listener)
+    assert [("plugin" in names) for names in heard] == [True, False]

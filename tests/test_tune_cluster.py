@@ -15,8 +15,16 @@ from optuna.trial import TrialState
 from sparktune import dispatch
 from sparktune.cli import build_parser
 from sparktune.cli import tune as tune_cli
-from sparktune.db import LeaseBoard, Store, problem_key, work_id
-from sparktune.tune import CostTimer, DatabaseUnavailable, Tuner, Worker, work_label
+from sparktune.db import Store, problem_key
+from sparktune.tune import (
+    CostTimer,
+    DatabaseUnavailable,
+    LeaseBoard,
+    Tuner,
+    Worker,
+    work_id,
+    work_label,
+)
 from tests._pg import pg_url, terminate_connections, with_password  # noqa: F401 - fixture
 from tests._store_helpers import DEVICE, ServerClock, known_cost, problem, registered_plugin
 

@@ -24,8 +24,8 @@ import sqlalchemy as sa
 from sparktune import dispatch
 from sparktune.cli import build_parser
 from sparktune.cli import tune as tune_cli
-from sparktune.db import LeaseBoard, Store, problem_key
-from sparktune.tune import CostTimer
+from sparktune.db import Store, problem_key
+from sparktune.tune import CostTimer, LeaseBoard
 from tests._pg import admin_url, pg_url, terminate_connections, with_password  # noqa: F401 - fixture
 from tests._store_helpers import DEVICE, known_cost, registered_plugin
 

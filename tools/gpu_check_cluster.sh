@@ -150,7 +150,8 @@ status=0
 "$PY" - "$out" "$db_url" "${codes[@]}" <<'PYEOF' || status=1
 import json, sys
 from collections import Counter
-from sparktune.db import LeaseBoard, Store, problem_key
+from sparktune.db import Store, problem_key
+from sparktune.tune import LeaseBoard
 
 out, url, codes = sys.argv[1], sys.argv[2], [int(c) for c in sys.argv[3:]]
 ok = codes == [0, 0]

@@ -51,7 +51,8 @@ timeout 300 "$PY" -m sparktune tune --seqlen 8192 --heads 12 --db "$work/run3.sq
 
 "$PY" - "$out" "$work" "$wall1" <<'EOF'
 import json, re, sys
-from sparktune.db import Store, problem_key, rank
+from sparktune.db import Store, problem_key
+from sparktune.dispatch import rank
 
 out, work, wall1 = sys.argv[1], sys.argv[2], float(sys.argv[3])
 exh = {r["key"]: r for r in json.load(open(f"{out}/tune_exhaustive.json"))["results"]}

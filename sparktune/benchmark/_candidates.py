@@ -143,40 +143,23 @@ class TunedRecords:
         self.where = ""
         if device is None:
             return
-        from ..db import Store, StoreMissingError, layered, load_shipped, open_error_text, safe_url
-        from ..dispatch import build_id
+        from ..dispatch import build_id, load_records
 
-        build = build_id()
-        stored: list[Record] = []
-        self.where = safe_url(db)
-        try:
-            # opened as dispatch opens it (an older schema is brought up to date)
-            with Store(db, create=False, upgrade=True, timeout=5.0) as store:
-                invalid: list[Any] = []
-                stored = store.records(device=device, build_id=build, errors=invalid)
-                self.where = store.display_url
-            if invalid:
-                self.note = f"{len(invalid)} invalid row(s) in the tuning database {self.where} were ignored"
-        except StoreMissingError:
+        # the database opened as dispatch opens it (an older schema is brought up to date)
+        loaded = load_records(device, build_id(), db=db, timeout=5.0)
+        self.where = loaded.database
+        if loaded.missing:
             self.where += " (no database)"
-        except Exception as exc:  # noqa: BLE001 - the defaults are used instead
+        elif loaded.error:
             self.note = (
-                f"cannot read the tuning database {safe_url(db)}: {open_error_text(exc, db)}; own "
+                f"cannot read the tuning database {loaded.database}: {loaded.error}; own "
                 "uses the shipped records and default configs"
             )
-        try:
-            shipped, _ = load_shipped()
-        except Exception as exc:  # noqa: BLE001
-            shipped = []
-            self.note = (self.note + "; " if self.note else "") + f"cannot read the shipped tuning files: {exc}"
-        mine = [
-            r
-            for r in shipped
-            if r.build_id == build
-            and (r.device.name, r.device.capability, r.device.sm_count)
-            == (device.name, device.capability, device.sm_count)
-        ]
-        self.ranked = layered([stored, mine], device)
+        elif loaded.invalid_rows:
+            self.note = f"{len(loaded.invalid_rows)} invalid row(s) in the tuning database {self.where} were ignored"
+        if loaded.shipped_error:
+            self.note = (self.note + "; " if self.note else "") + f"cannot read the shipped tuning files: {loaded.shipped_error}"
+        self.ranked = loaded.ranked()
 
     def get(self, problem: Problem) -> list[Record]:
         return self.ranked.get(problem, [])

@@ -147,41 +147,32 @@ def _all_records(
     """Every record of the database, then of the shipped files; ``layers`` receives the
     layers, most specific first. Rows or lines that are not valid records are left out with
     a warning on standard error."""
-    from ..db import load_shipped, safe_url, shipped_dir
+    from ..dispatch import load_records
 
-    store = _open(args)
-    if isinstance(store, int):
-        return store
-    records: list[Any] = []
-    where = safe_url(args.db)
-    if store is not None:
-        invalid: list[Any] = []
-        with store:
-            try:
-                records = store.records(errors=invalid)
-            except Exception as exc:  # noqa: BLE001 - one line, no traceback, no password
-                from ..db import open_error_text
-
-                return _fail(f"cannot read {store.display_url}: {open_error_text(exc, args.db)}")
-            state = f"schema {store.version}" if store.version is not None else "no sparktune tables yet"
-            where = f"{store.display_url} ({state})"
-            if layers is not None:
-                layers.append(_Layer(len(layers) + 1, "database", store.display_url, len(records)))
-        for e in invalid:
-            print(f"sparktune db: warning: {store.display_url}: {e} (left out)", file=sys.stderr)
+    loaded = load_records(db=args.db, shipped=shipped)
+    if loaded.error and not loaded.missing:  # one line, no traceback, no password
+        return _fail(f"cannot {'read' if loaded.opened else 'open'} {loaded.database}: {loaded.error}")
+    records: list[Any] = list(loaded.stored)
+    if loaded.missing:
+        where = f"{loaded.database} (not created yet)"
     else:
-        where += " (not created yet)"
-    if shipped:
-        recs, bad = load_shipped()
-        for e in bad:
-            print(f"sparktune db: warning: {e}", file=sys.stderr)
-        records.extend(recs)
-        if layers is not None and recs:
-            d = shipped_dir()
-            layer = _Layer(len(layers) + 1, "shipped", str(d) if d is not None else "tuning_db", len(recs))
-            for r in recs:
-                layer.files[r.source] = layer.files.get(r.source, 0) + 1
-            layers.append(layer)
+        state = f"schema {loaded.schema}" if loaded.schema is not None else "no sparktune tables yet"
+        where = f"{loaded.database} ({state})"
+        if layers is not None:
+            layers.append(_Layer(len(layers) + 1, "database", loaded.database, len(records)))
+        for e in loaded.invalid_rows:
+            print(f"sparktune db: warning: {loaded.database}: {e} (left out)", file=sys.stderr)
+    if loaded.shipped_error:
+        print(f"sparktune db: warning: cannot read the shipped tuning files: {loaded.shipped_error}", file=sys.stderr)
+    for e in loaded.shipped_errors:
+        print(f"sparktune db: warning: {e}", file=sys.stderr)
+    records.extend(loaded.shipped)
+    if layers is not None and loaded.shipped:
+        d = loaded.shipped_dir
+        layer = _Layer(len(layers) + 1, "shipped", str(d) if d is not None else "tuning_db", len(loaded.shipped))
+        for r in loaded.shipped:
+            layer.files[r.source] = layer.files.get(r.source, 0) + 1
+        layers.append(layer)
     return records, where
 
 
@@ -223,7 +214,8 @@ def _layer_of(r: Any, layers: list[_Layer]) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from ..db import problem_key, rank, record_to_json
+    from ..db import problem_key, record_to_json
+    from ..dispatch import rank
 
     layers: list[_Layer] = []
     got = _all_records(args, shipped=not args.no_shipped, layers=layers)
@@ -464,23 +456,39 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _import(args: argparse.Namespace) -> int:
-    from ..db import import_jsonl, registry_kernel_check
+def _target(args: argparse.Namespace) -> tuple[Any, Any] | int:
+    """The database to write into (created when missing) and the check of the records' kernels
+    (None with --no-kernel-check), or an int exit code after a one-line error."""
     from ..dispatch import build_id
+    from ..registry import kernel_check
 
     store = _open(args, create=True)
     if isinstance(store, int):
         return store
-    check = None if args.no_kernel_check else registry_kernel_check(build_id())
+    return store, None if args.no_kernel_check else kernel_check(build_id())
+
+
+def _write_failed(args: argparse.Namespace, store: Any, exc: BaseException, doing: str, done: str) -> int:
+    """One line, no traceback, no password."""
+    from ..db import open_error_text
+
+    return _fail(f"cannot {doing} into {store.display_url}: {open_error_text(exc, args.db)}; nothing {done}")
+
+
+def _import(args: argparse.Namespace) -> int:
+    from ..db import import_jsonl
+
+    target = _target(args)
+    if isinstance(target, int):
+        return target
+    store, check = target
     with store:
         try:
             report = import_jsonl(store, args.file, skip_invalid=args.skip_invalid, check=check)
         except OSError as e:
             return _fail(f"cannot read {args.file}: {e.strerror or e}")
-        except Exception as exc:  # noqa: BLE001 - one line, no traceback, no password
-            from ..db import open_error_text
-
-            return _fail(f"cannot import into {store.display_url}: {open_error_text(exc, args.db)}; nothing imported")
+        except Exception as exc:  # noqa: BLE001
+            return _write_failed(args, store, exc, "import", "imported")
         where = store.display_url
     for e in report.errors:
         print(f"{e}", file=sys.stderr)
@@ -502,20 +510,20 @@ def _record_text(r: Any) -> str:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from ..db import merge, record_to_json, registry_kernel_check
-    from ..dispatch import build_id
+    from ..db import merge, record_to_json
+    from ..dispatch import rank
 
-    store = _open(args, create=True)
-    if isinstance(store, int):
-        return store
-    check = None if args.no_kernel_check else registry_kernel_check(build_id())
+    target = _target(args)
+    if isinstance(target, int):
+        return target
+    store, check = target
     with store:
         try:
-            report = merge(store, args.sources, skip_invalid=args.skip_invalid, check=check, dry_run=args.dry_run)
-        except Exception as exc:  # noqa: BLE001 - one line, no traceback, no password
-            from ..db import open_error_text
-
-            return _fail(f"cannot merge into {store.display_url}: {open_error_text(exc, args.db)}; nothing merged")
+            report = merge(
+                store, args.sources, skip_invalid=args.skip_invalid, check=check, dry_run=args.dry_run, rank=rank
+            )
+        except Exception as exc:  # noqa: BLE001
+            return _write_failed(args, store, exc, "merge", "merged")
     for e in report.errors:
         print(f"{e}", file=sys.stderr)
     failed = [s for s in report.sources if s.failed]
@@ -572,7 +580,7 @@ def _age(seconds: float) -> str:
 
 
 def _leases(args: argparse.Namespace) -> int:
-    from ..db import LeaseBoard
+    from ..tune import LeaseBoard
 
     store = _open(args)
     if isinstance(store, int):

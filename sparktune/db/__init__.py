@@ -1,17 +1,25 @@
-"""The tuning store: SQLAlchemy models, schema versions, JSON Lines import/export, the
-read-only shipped layer, merging, the lease table of distributed tuning and dispatch's
-snapshot of a shared database."""
+"""The tuning store: storage only. SQLAlchemy models and schema versions, the store's records
+in and out (JSON Lines import and export, merging other stores and files), where the store
+lives and how to connect to it, the Optuna storage of the tuner's studies in the same database,
+and the building blocks of the tables other layers keep there (the tuner's leases).
+
+What records a device sees, their ranking and the local snapshot of a shared server are
+dispatch's (:mod:`sparktune.dispatch`); the leases of distributed tuning are the tuner's."""
 
 from __future__ import annotations
 
 from ._engine import (
     ENV_DB,
+    cache_dir,
     default_path,
+    insert_ignore,
     is_network,
     is_transient_error,
     resolve_url,
     safe_url,
     scrub,
+    server_time,
+    write_connection,
 )
 from ._jsonl import (
     ImportReport,
@@ -20,20 +28,11 @@ from ._jsonl import (
     import_jsonl,
     parse_jsonl,
     read_jsonl_file,
-    registry_kernel_check,
     write_jsonl,
 )
-from ._layers import (
-    ENV_SHIPPED,
-    layered,
-    load_shipped,
-    rank,
-    shipped_dir,
-    shipped_files,
-    verified,
-)
-from ._leases import Claim, LeaseBoard, LeaseInfo, LeaseLost, new_owner_id, work_id
-from ._merge import MergeReport, SourceReport, WinnerChange, merge, read_source
+from ._merge import MergeReport, SourceReport, WinnerChange, merge
+from ._models import Lease
+from ._optuna import optuna_storage
 from ._records import (
     FORMAT_VERSION,
     STATUSES,
@@ -45,68 +44,57 @@ from ._records import (
     problem_key,
     record_from_json,
     record_to_json,
-    validate_record,
 )
 from ._schema import SCHEMA_VERSION, SchemaError, SchemaOutdatedError, SchemaTooNewError
-from ._snapshot import ENV_SNAPSHOT_DIR, Snapshot, read_snapshot, snapshot_path, write_snapshot
-from ._store import RowError, Store, StoreMissingError, open_error_text
+from ._store import RowError, Store, StoreMissingError, open_error_text, with_retry
 
 __all__ = [
-    "ENV_DB",
-    "ENV_SHIPPED",
-    "ENV_SNAPSHOT_DIR",
+    # the store and its records
     "FORMAT_VERSION",
     "SCHEMA_VERSION",
     "STATUSES",
-    "Claim",
-    "ImportReport",
-    "LeaseBoard",
-    "LeaseInfo",
-    "LeaseLost",
-    "LineError",
-    "MergeReport",
     "Record",
     "RecordError",
     "RowError",
     "SchemaError",
     "SchemaOutdatedError",
     "SchemaTooNewError",
-    "Snapshot",
-    "SourceReport",
     "Store",
     "StoreMissingError",
-    "WinnerChange",
-    "default_path",
     "device_label",
-    "dumps_record",
-    "import_jsonl",
-    "is_network",
-    "is_transient_error",
-    "layered",
-    "load_shipped",
-    "merge",
-    "new_owner_id",
     "now_utc",
     "open_error_text",
-    "parse_jsonl",
     "parse_problem_key",
     "problem_key",
-    "rank",
-    "read_jsonl_file",
-    "read_snapshot",
-    "read_source",
     "record_from_json",
     "record_to_json",
-    "registry_kernel_check",
+    # where it lives
+    "ENV_DB",
+    "cache_dir",
+    "default_path",
+    "is_network",
+    "is_transient_error",
     "resolve_url",
     "safe_url",
     "scrub",
-    "shipped_dir",
-    "shipped_files",
-    "snapshot_path",
-    "validate_record",
-    "verified",
-    "work_id",
+    # import, export, merge
+    "ImportReport",
+    "LineError",
+    "MergeReport",
+    "SourceReport",
+    "WinnerChange",
+    "dumps_record",
+    "import_jsonl",
+    "merge",
+    "parse_jsonl",
+    "read_jsonl_file",
     "write_jsonl",
-    "write_snapshot",
+    # the tuner's Optuna studies, stored in the same database
+    "optuna_storage",
+    # for the tables other layers keep in the store (the tuner's leases)
+    "Lease",
+    "insert_ignore",
+    "server_time",
+    "with_retry",
+    "write_connection",
 ]

@@ -18,10 +18,11 @@ __all__ = [
     "import_jsonl",
     "parse_jsonl",
     "read_jsonl_file",
-    "registry_kernel_check",
     "write_jsonl",
 ]
 
+#: a check of a record beyond its format (e.g. that its kernel exists here): the reason it is
+#: refused, or None (see :func:`sparktune.registry.kernel_check`)
 KernelCheck = Callable[[Record], "str | None"]
 
 
@@ -102,43 +103,6 @@ def read_jsonl_file(path: str | Path, *, check: KernelCheck | None = None) -> tu
     path = Path(path)
     with path.open("rb") as fp:
         return parse_jsonl(fp, source=str(path), check=check)
-
-
-#: backends whose catalogue of kernels is the compiled family that ``build_id`` identifies
-BUILD_BOUND_BACKENDS = ("spark",)
-
-
-def registry_kernel_check(build_id: str | None = None) -> KernelCheck:
-    """A check that the record's backend is registered here and, when that backend can list
-    its configurations in this process, that the config is one of them. With ``build_id``
-    (this installation's kernel build), the configs of a :data:`BUILD_BOUND_BACKENDS` backend
-    are checked only in records of that build: another build's catalogue is not known here,
-    and its records are kept (dispatch never uses them on this build)."""
-    from ..registry import backends
-
-    registered = backends()
-    known: dict[tuple[str, str], set[str] | None] = {}
-
-    def check(r: Record) -> str | None:
-        b = registered.get(r.backend)
-        if b is None:
-            names = ", ".join(sorted(registered)) or "none"
-            return f"backend: unknown backend {r.backend!r} (registered: {names})"
-        if build_id is not None and r.build_id != build_id and r.backend in BUILD_BOUND_BACKENDS:
-            return None
-        key = (r.backend, r.problem.op)
-        if key not in known:
-            try:
-                configs = set(b.configs(r.problem.op)) if not b.unavailable_reasons() else set()
-            except Exception:  # noqa: BLE001 - a broken backend cannot vouch for configs
-                configs = set()
-            known[key] = configs or None
-        configs = known[key]
-        if configs is not None and r.config not in configs:
-            return f"config: unknown kernel {r.config!r} for backend {r.backend!r} op {r.problem.op!r}"
-        return None
-
-    return check
 
 
 def import_jsonl(

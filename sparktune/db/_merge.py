@@ -5,9 +5,10 @@ format, then the kernel check) before anything is written; with errors, nothing 
 unless the caller skips the invalid records. Records keep their provenance (uid, host, GPU,
 time, library version) and are never rewritten: a record already here (same uid) is left as it
 is. Records of other GPU models and kernel builds are kept too; dispatch never uses them on a
-machine they do not match. Which record wins for a problem is the ranking's rule
-(:func:`sparktune.db.rank`): of the verified figures of a candidate, the fastest, so that for
-the same key the faster verified record wins.
+machine they do not match. Which record wins for a problem is the caller's ranking rule (``rank``;
+dispatch's, :func:`sparktune.dispatch.rank`: of the verified figures of a candidate, the
+fastest, so that for the same key the faster verified record wins); the report lists the
+problems whose winner changed.
 """
 
 from __future__ import annotations
@@ -18,14 +19,16 @@ from pathlib import Path
 
 from sqlalchemy.engine import make_url
 
+from ..problem import Problem
 from ._jsonl import LineError, read_jsonl_file
-from ._layers import rank
 from ._records import Record, RecordError, device_label, problem_key, validate_record
 from ._store import RowError, Store, open_error_text
 
 __all__ = ["MergeReport", "SourceReport", "WinnerChange", "merge", "read_source"]
 
 KernelCheck = Callable[[Record], "str | None"]
+#: records -> the usable ones per problem, best first
+Ranking = Callable[[Iterable[Record]], "dict[Problem, list[Record]]"]
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 
@@ -135,7 +138,7 @@ def _group(r: Record) -> tuple[str, tuple[int, int], int, str]:
     return (r.device.name, r.device.capability, r.device.sm_count, r.build_id)
 
 
-def _winners(records: Sequence[Record], groups: set[tuple]) -> dict[tuple, Record]:
+def _winners(records: Sequence[Record], groups: set[tuple], rank: Ranking) -> dict[tuple, Record]:
     by_group: dict[tuple, list[Record]] = {}
     for r in records:
         g = _group(r)
@@ -155,8 +158,10 @@ def merge(
     skip_invalid: bool = False,
     check: KernelCheck | None = None,
     dry_run: bool = False,
+    rank: Ranking | None = None,
 ) -> MergeReport:
-    """Merge ``sources`` into ``store`` in one transaction (see the module docstring)."""
+    """Merge ``sources`` into ``store`` in one transaction (see the module docstring). With
+    ``rank``, the report lists the problems whose best record changed."""
     report = MergeReport(store.display_url, dry_run=dry_run)
     incoming: list[Record] = []
     for src in sources:
@@ -183,13 +188,14 @@ def merge(
     for r in fresh:
         k = (device_label(r.device), r.build_id)
         report.added_by_device[k] = report.added_by_device.get(k, 0) + 1
-    groups = {_group(r) for r in fresh}
-    before = _winners(existing, groups)
-    after = _winners([*existing, *fresh], groups)
-    for k, rec in sorted(after.items(), key=lambda kv: (problem_key(kv[0][4]), kv[0][0], kv[0][3])):
-        old = before.get(k)
-        if old is None or old.uid != rec.uid:
-            report.changes.append(WinnerChange(problem_key(k[4]), device_label(rec.device), rec.build_id, old, rec))
+    if rank is not None:
+        groups = {_group(r) for r in fresh}
+        before = _winners(existing, groups, rank)
+        after = _winners([*existing, *fresh], groups, rank)
+        for k, rec in sorted(after.items(), key=lambda kv: (problem_key(kv[0][4]), kv[0][0], kv[0][3])):
+            old = before.get(k)
+            if old is None or old.uid != rec.uid:
+                report.changes.append(WinnerChange(problem_key(k[4]), device_label(rec.device), rec.build_id, old, rec))
     if not dry_run and fresh:
         report.added = store.add(fresh)
     elif dry_run:

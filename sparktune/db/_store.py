@@ -20,7 +20,7 @@ from ._models import Measurement
 from ._records import Record, RecordError
 from ._schema import SCHEMA_VERSION, ensure_schema, record_columns, stored_version
 
-__all__ = ["RowError", "Store", "StoreMissingError"]
+__all__ = ["RowError", "Store", "StoreMissingError", "open_error_text", "with_retry"]
 
 T = TypeVar("T")
 
@@ -54,7 +54,9 @@ def _is_transient(exc: BaseException) -> bool:
     return "locked" in text or "busy" in text
 
 
-def _with_retry(fn: Callable[[], T], deadline_s: float) -> T:
+def with_retry(fn: Callable[[], T], deadline_s: float) -> T:
+    """``fn()``, called again (with a growing pause) while it fails because the database is
+    locked or busy, for up to ``deadline_s`` seconds."""
     deadline = time.monotonic() + deadline_s
     delay = 0.01
     while True:
@@ -167,9 +169,9 @@ class Store:
         self.engine = make_engine(self.url, timeout=timeout, create_dir=create, statement_timeout=statement_timeout)
         try:
             if readonly:
-                self.version = _with_retry(lambda: self._readable_version(), timeout)
+                self.version = with_retry(lambda: self._readable_version(), timeout)
             else:
-                self.version = _with_retry(
+                self.version = with_retry(
                     lambda: ensure_schema(self.engine, where=self.display_url, create=create, upgrade=upgrade),
                     timeout,
                 )
@@ -226,7 +228,7 @@ class Store:
             with write_connection(self.engine) as conn, conn.begin():
                 return self.insert(conn, records)
 
-        return _with_retry(run, self.timeout)
+        return with_retry(run, self.timeout)
 
     def insert(self, conn: sa.Connection, records: Iterable[Record]) -> int:
         """Insert records inside the caller's write transaction (see :meth:`add`)."""
@@ -300,7 +302,7 @@ class Store:
                         bad.append(RowError(row.id, str(row.uid), f"{type(exc).__name__}: {exc}"))
             return good, bad
 
-        good, bad = _with_retry(run, self.timeout)
+        good, bad = with_retry(run, self.timeout)
         if bad:
             if errors is None:
                 more = f" (and {len(bad) - 1} more invalid row(s))" if len(bad) > 1 else ""
@@ -314,10 +316,6 @@ class Store:
         with self.engine.connect() as conn, conn.begin():
             return int(conn.execute(sa.select(sa.func.count()).select_from(Measurement)).scalar_one())
 
-    @staticmethod
-    def current_schema() -> int:
-        return SCHEMA_VERSION
-
     @classmethod
     def upgrade_database(cls, url: str | os.PathLike[str] | URL | None = None, *, timeout: float = 30.0) -> tuple[int | None, int]:
         """Create or upgrade the store at ``url``; returns (version before, version after)."""
@@ -326,7 +324,7 @@ class Store:
         try:
             with engine.connect() as conn, conn.begin():
                 before = stored_version(conn)
-            after = _with_retry(lambda: ensure_schema(engine, where=safe_url(resolved)), timeout)
+            after = with_retry(lambda: ensure_schema(engine, where=safe_url(resolved)), timeout)
         finally:
             engine.dispose()
         return before, int(after or SCHEMA_VERSION)

@@ -2,7 +2,7 @@
 tuning database.
 
 Every worker runs the same loop over the same problems. A problem is claimed with a lease
-(:class:`sparktune.db.LeaseBoard`) before it is tuned; a heartbeat thread renews the lease
+(:class:`sparktune.tune.LeaseBoard`) before it is tuned; a heartbeat thread renews the lease
 while the study runs; the problem's records are committed together with the lease's ``done``
 mark, only while the lease is still the worker's. A worker that dies stops renewing: once the
 lease has expired, another worker claims the problem and resumes its Optuna study (the trials
@@ -29,7 +29,8 @@ from ..problem import Problem
 from ._tuner import TuneAborted, Tuner, TuneResult
 
 if TYPE_CHECKING:
-    from ..db import Claim, LeaseBoard, Store
+    from ..db import Store
+    from ._leases import Claim, LeaseBoard
 
 __all__ = ["ClusterReport", "DatabaseUnavailable", "Outcome", "Worker", "work_label"]
 
@@ -177,7 +178,7 @@ class Worker:
         owner: str | None = None,
         say: Callable[[str], None] | None = None,
     ) -> None:
-        from ..db import LeaseBoard
+        from ._leases import LeaseBoard
 
         if tuner.store is not None:
             raise ValueError("the worker commits the records: give it a Tuner without a store")
@@ -238,7 +239,7 @@ class Worker:
     # ------------------------------------------------------------------ the loop
 
     def run_problems(self, problems: Sequence[Problem]) -> ClusterReport:
-        from ..db import work_id
+        from ._leases import work_id
 
         report = ClusterReport(self.run, self.owner)
         pending: list[Outcome] = []
@@ -306,7 +307,7 @@ class Worker:
 
             def check(*args: Any) -> None:
                 if hb.lost.is_set():
-                    from ..db import LeaseLost
+                    from ._leases import LeaseLost
 
                     raise LeaseLost(f"{key}: the lease was taken over by another worker")
                 if outer is not None:
@@ -328,7 +329,7 @@ class Worker:
                         o.state, o.result, o.message = "failed", partial, str(exc)
                         return
                     except Exception as exc:
-                        from ..db import LeaseLost
+                        from ._leases import LeaseLost
 
                         if isinstance(exc, LeaseLost):
                             o.state, o.message = "lost", str(exc)

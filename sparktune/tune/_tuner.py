@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..backends.base import Backend, Candidate
 from ..problem import DeviceInfo, Problem
+from ..registry import backends as _registered
 from ._timing import CudaEventTimer, Timer, Timing
 
 if TYPE_CHECKING:
@@ -194,12 +195,6 @@ class TuneResult:
         }
 
 
-def _registered() -> dict[str, Backend]:
-    from ..registry import backends
-
-    return backends()
-
-
 def tunable_candidates(
     problem: Problem,
     device: DeviceInfo | None,
@@ -258,54 +253,6 @@ def _library_version() -> str:
         return str(__version__)
     except Exception:  # noqa: BLE001
         return ""
-
-
-#: key of the PostgreSQL advisory lock taken while Optuna creates its tables ("SPOT")
-_OPTUNA_INIT_LOCK = 0x53504F54
-
-
-def _optuna_storage(url: Any) -> Any:
-    """None (in memory) or an RDB storage on ``url`` sharing the tuning database.
-
-    Connections are tested before use (a restarted server is reconnected to) and, on
-    PostgreSQL, have a connect timeout and TCP keepalives. Optuna creates its tables when they
-    are missing; workers starting together on a fresh database take turns (an advisory lock
-    on PostgreSQL, a retry on SQLite) instead of racing on CREATE TABLE."""
-    if url is None:
-        return None
-    import optuna
-    import sqlalchemy as sa
-
-    from ..db import resolve_url
-    from ..db._engine import make_engine, postgres_connect_args
-
-    resolved = resolve_url(url)
-    kwargs: dict[str, Any] = {"pool_pre_ping": False}
-    backend = resolved.get_backend_name()
-    if backend == "sqlite":
-        kwargs["connect_args"] = {"timeout": 60}
-    elif backend == "postgresql":
-        kwargs["connect_args"] = postgres_connect_args(resolved, timeout=10)
-    text = resolved.render_as_string(hide_password=False)
-    if backend == "postgresql":
-        engine = make_engine(resolved, timeout=10)
-        try:
-            with engine.connect() as conn:
-                conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": _OPTUNA_INIT_LOCK})
-                try:
-                    return optuna.storages.RDBStorage(text, engine_kwargs=kwargs)
-                finally:
-                    conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": _OPTUNA_INIT_LOCK})
-        finally:
-            engine.dispose()
-    for attempt in range(20):
-        try:
-            return optuna.storages.RDBStorage(text, engine_kwargs=kwargs)
-        except sa.exc.OperationalError:  # another process is creating the same tables
-            if attempt == 19:
-                raise
-            time.sleep(0.05 * (attempt + 1))
-    raise AssertionError("unreachable")
 
 
 def _host() -> str:
@@ -430,7 +377,11 @@ class Tuner:
                 raise ValueError(
                     f"unknown backend {', '.join(map(repr, unknown))} to tune; registered backends: {', '.join(known)}"
                 )
-        self.storage = _optuna_storage(storage) if storage is not None and not _is_optuna_storage(storage) else storage
+        if storage is not None and not _is_optuna_storage(storage):
+            from ..db import optuna_storage  # the database driver: only for a stored study
+
+            storage = optuna_storage(storage)
+        self.storage = storage
         self.exclude = list(exclude)
         self.seed = seed
         self.baseline = baseline

@@ -25,10 +25,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from ._engine import insert_ignore, server_time, write_connection
-from ._models import Lease
-from ._records import Record
-from ._store import Store, _with_retry
+from ..db import Lease, Record, Store, insert_ignore, server_time, with_retry, write_connection
 
 __all__ = ["Claim", "LeaseBoard", "LeaseInfo", "LeaseLost", "new_owner_id", "work_id"]
 
@@ -114,7 +111,7 @@ class LeaseBoard:
             with write_connection(self.store.engine) as conn, conn.begin():
                 return fn(conn)
 
-        return _with_retry(run, self.store.timeout)
+        return with_retry(run, self.store.timeout)
 
     def _row(self, conn: sa.Connection, work: str, *, lock: bool = False) -> Any:
         stmt = sa.select(self._table).where(self._table.c.work == work)

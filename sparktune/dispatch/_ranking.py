@@ -10,6 +10,7 @@ from other machines compete on speed); records measured with this exact driver a
 version are preferred over records of the same GPU model with another driver; candidates are
 ranked by median time. Verified: status ``ok`` (checked against the reference, then timed)
 and, where both are known, an error within the bound it was checked against.
+:func:`~sparktune.dispatch.load_records` reads the layers of a device.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from ..db import LineError, Record, read_jsonl_file
 from ..problem import DeviceInfo, Problem
-from ._jsonl import LineError, read_jsonl_file
-from ._records import Record
 
 __all__ = [
     "ENV_SHIPPED", "layered", "load_shipped", "packaged_dir", "rank", "shipped_dir", "shipped_files", "verified",

@@ -20,13 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy.engine import URL
-
+from ..db import Record, RecordError, cache_dir, now_utc, record_from_json, record_to_json, safe_url
 from ..problem import DeviceInfo
-from ._engine import cache_dir, render_safe
-from ._records import Record, RecordError, _iso, now_utc, record_from_json, record_to_json
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import URL
 
 __all__ = ["ENV_SNAPSHOT_DIR", "SNAPSHOT_FORMAT", "Snapshot", "read_snapshot", "snapshot_path", "write_snapshot"]
 
@@ -50,7 +50,7 @@ def snapshot_dir() -> Path:
 
 def snapshot_path(url: URL, device: DeviceInfo, build_id: str) -> Path:
     ident = "\n".join([
-        render_safe(url),
+        safe_url(url),
         device.name, f"{device.capability[0]}.{device.capability[1]}", str(device.sm_count), build_id,
     ])
     digest = hashlib.sha1(ident.encode()).hexdigest()[:16]
@@ -74,7 +74,7 @@ def write_snapshot(path: Path, records: Sequence[Record], *, database: str, devi
             return False
     except (OSError, ValueError):
         pass
-    body["taken_at"] = _iso(now_utc())
+    body["taken_at"] = now_utc().isoformat().replace("+00:00", "Z")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".partial", dir=path.parent)
     try:

@@ -1,0 +1,205 @@
+"""From the ranked records of a device to a selection: a forced choice, the fastest tuned
+record of the problem, the fastest record of the nearest tuned shape of the same kind, or the
+heuristic default."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..backends.base import Backend, Candidate
+from ..problem import DeviceInfo, Problem
+from ..registry import backends, get_backend
+
+if TYPE_CHECKING:
+    from ..db import Record
+
+__all__ = [
+    "DEFAULT_ORDER",
+    "SOURCES",
+    "NoKernelError",
+    "Selection",
+    "Table",
+    "forced",
+    "heuristic_default",
+    "resolve",
+    "table_of",
+]
+
+#: heuristic preference when nothing was tuned: our kernels first, the oracle last
+DEFAULT_ORDER = ("spark", "triton", "torch", "reference")
+#: where a selection came from, in the order they are tried
+SOURCES = ("forced", "tuned", "nearest", "default")
+
+
+class NoKernelError(ValueError):
+    """No backend can run the problem; the message lists every backend's reasons."""
+
+
+@dataclass(frozen=True)
+class Selection:
+    candidate: Candidate
+    #: "forced", "tuned", "nearest" or "default"
+    source: str
+    detail: str = ""
+    #: the tuning record behind a "tuned" or "nearest" selection
+    record: Record | None = field(default=None, compare=False, repr=False)
+
+
+# --------------------------------------------------------------------------- the records of a device
+
+
+def _kind(p: Problem) -> tuple[Any, ...]:
+    """Problems of one kind can share a kernel choice: everything but the sizes."""
+    return (p.op, p.dtype, p.head_dim, p.causal, p.allow_fp16_accum, p.group_size, p.seqlen_q == p.seqlen_k)
+
+
+def _distance(a: Problem, b: Problem) -> float:
+    """How far two shapes of one kind are: octaves of seqlen_q and seqlen_k, and half-weight
+    octaves of the number of (batch, head) rows."""
+    return (
+        abs(math.log2(a.seqlen_q / b.seqlen_q))
+        + abs(math.log2(a.seqlen_k / b.seqlen_k))
+        + 0.5 * abs(math.log2((a.batch * a.heads_q) / (b.batch * b.heads_q)))
+    )
+
+
+@dataclass
+class Table:
+    """The usable records of one device model and build, fastest first per problem."""
+
+    ranked: dict[Problem, list[Record]]
+    by_kind: dict[tuple[Any, ...], list[Problem]]
+    sources: list[str]
+
+
+def table_of(ranked: dict[Problem, list[Record]], sources: list[str]) -> Table:
+    """The table of ranked records, with the problems of each kind listed for the nearest
+    shape."""
+    by_kind: dict[tuple[Any, ...], list[Problem]] = {}
+    for p in ranked:
+        by_kind.setdefault(_kind(p), []).append(p)
+    return Table(ranked, by_kind, sources)
+
+
+# --------------------------------------------------------------------------- resolution
+def _runnable_reasons(
+    registered: dict[str, Backend], cand: Candidate, problem: Problem, device: DeviceInfo | None
+) -> list[str]:
+    b = registered.get(cand.backend)
+    if b is None:
+        return [f"backend {cand.backend!r} is not registered"]
+    try:
+        reasons = b.unavailable_reasons() or b.not_supported_reasons(problem, cand.config, device)
+    except Exception as exc:  # noqa: BLE001 - a backend that cannot answer cannot run
+        reasons = [f"not_supported_reasons raised {type(exc).__name__}: {exc}"]
+    if not reasons and problem.op == "bwd" and type(b).backward is Backend.backward:
+        reasons = [f"backend {cand.backend!r} has no backward"]
+    return list(reasons)
+
+
+def _reasons_text(reasons: dict[str, list[str]]) -> str:
+    lines = []
+    for name, rs in reasons.items():
+        lines.append(f"  {name}: " + ("; ".join(rs) if rs else "(no reason given)"))
+    return "\n".join(lines)
+
+
+def forced(problem: Problem, device: DeviceInfo | None, backend: str, config: str | None) -> Selection:
+    """The choice asked for by the caller (``backend=``, ``config=``), if it can run."""
+    b = get_backend(backend)
+    reasons = b.unavailable_reasons() or b.not_supported_reasons(problem, config, device)
+    if reasons:
+        what = f"backend {backend!r}" + (f" config {config!r}" if config else "")
+        raise NoKernelError(f"{what} cannot run {problem}:\n" + _reasons_text({backend: reasons}))
+    cfg = config or b.default_config(problem, device)
+    if cfg is None:
+        raise NoKernelError(f"backend {backend!r} has no configuration for {problem}")
+    return Selection(Candidate(backend, cfg), "forced", "asked for by the caller")
+
+
+def heuristic_default(
+    problem: Problem, device: DeviceInfo | None, *, registered: dict[str, Backend] | None = None
+) -> Selection:
+    """The choice for an untuned problem: the first backend in :data:`DEFAULT_ORDER` (then any
+    plugin) that can run it, with that backend's default config."""
+    all_reasons: dict[str, list[str]] = {}
+    registered = backends() if registered is None else registered
+    order = [n for n in DEFAULT_ORDER if n in registered] + [n for n in registered if n not in DEFAULT_ORDER]
+    for name in order:
+        b = registered[name]
+        try:
+            reasons = b.unavailable_reasons() or b.not_supported_reasons(problem, None, device)
+            if not reasons and problem.op == "bwd" and type(b).backward is Backend.backward:
+                reasons = ["no backward"]
+            cfg = None if reasons else b.default_config(problem, device)
+        except Exception as exc:  # noqa: BLE001
+            reasons, cfg = [f"raised {type(exc).__name__}: {exc}"], None
+        if reasons:
+            all_reasons[name] = reasons
+            continue
+        if cfg is None:
+            all_reasons[name] = ["no configuration supports this problem"]
+            continue
+        return Selection(Candidate(name, cfg), "default", f"heuristic default ({name} first in preference order)")
+    raise NoKernelError(f"no backend can run {problem}:\n" + _reasons_text(all_reasons))
+
+
+def _shape_text(p: Problem) -> str:
+    return f"batch {p.batch}, heads {p.heads_q}/{p.heads_kv}, seqlen {p.seqlen_q}/{p.seqlen_k}"
+
+
+def _from_records(
+    records: Iterable[Record],
+    problem: Problem,
+    device: DeviceInfo,
+    registered: dict[str, Backend],
+    rejected: list[str] | None,
+) -> Record | None:
+    for r in records:
+        reasons = _runnable_reasons(registered, Candidate(r.backend, r.config), problem, device)
+        if not reasons:
+            return r
+        if rejected is not None:
+            rejected.append(f"{r.label} ({r.median_ms:.4g} ms): " + "; ".join(reasons))
+    return None
+
+
+def resolve(
+    problem: Problem,
+    device: DeviceInfo | None,
+    registered: dict[str, Backend],
+    table: Table | None,
+    rejected: list[str] | None = None,
+) -> Selection:
+    """The tuned record of the problem, else of the nearest tuned shape, in ``table`` (the
+    records of ``device``; None without a device), else the heuristic default. ``rejected``
+    receives the records passed over, with the reasons."""
+    if device is not None and table is not None:
+        exact = table.ranked.get(problem)
+        if exact:
+            r = _from_records(exact, problem, device, registered, rejected)
+            if r is not None:
+                return Selection(
+                    Candidate(r.backend, r.config),
+                    "tuned",
+                    f"fastest tuned record for this problem ({r.median_ms:.4g} ms, {r.source})",
+                    r,
+                )
+        near = sorted(
+            (p for p in table.by_kind.get(_kind(problem), ()) if p != problem),
+            key=lambda p: (_distance(p, problem), p.seqlen_q, p.seqlen_k, p.batch, p.heads_q),
+        )
+        for p in near:
+            r = _from_records(table.ranked[p], problem, device, registered, rejected)
+            if r is not None:
+                return Selection(
+                    Candidate(r.backend, r.config),
+                    "nearest",
+                    f"nearest tuned shape: {_shape_text(p)} (distance {_distance(p, problem):.2g}; "
+                    f"{r.median_ms:.4g} ms there, {r.source})",
+                    r,
+                )
+    return heuristic_default(problem, device, registered=registered)
