@@ -406,6 +406,13 @@ class TorchSDPABackend(Backend):
             return []
         return [f"{c}: {'; '.join(r)}" for c, r in per_config.items()]
 
+    def default_config(self, problem: Problem, device: DeviceInfo | None = None) -> str | None:
+        """On a GPU, SDPA's own choice ("auto": what the caller would run instead); elsewhere
+        the first config that runs the problem (the math kernel)."""
+        if device is not None and not _reasons(problem, AUTO, device):
+            return AUTO
+        return super().default_config(problem, device)
+
     # -- running -------------------------------------------------------------------------
 
     @staticmethod

@@ -6,6 +6,8 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .._checks import check_inputs
+from ..dtypes import DTYPE_NAMES
 from ..problem import DeviceInfo, Problem
 from ._resolve import Selection, Table
 
@@ -105,17 +107,10 @@ def _cuda_device_info(index: int) -> DeviceInfo:
 def _problem_from_tensors(
     q: torch.Tensor, k: torch.Tensor, *, causal: bool, layout: str, allow_fp16_accum: bool, op: str
 ) -> tuple[Problem, DeviceInfo | None]:
-    import torch
-
-    dtypes = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
-    if q.dtype not in dtypes:
-        raise TypeError(f"dtype {q.dtype} is not supported (float16 or bfloat16)")
-    if layout not in ("bhnd", "bnhd"):
-        raise ValueError(f"unknown layout {layout!r}")
-    qb, kb = (t if layout == "bhnd" else t.transpose(1, 2) for t in (q, k))
+    qb, kb, _ = check_inputs(q, k, k, layout)  # the call's own checks, which say what is wrong
     problem = Problem(
         op=op,
-        dtype=dtypes[q.dtype],
+        dtype=DTYPE_NAMES[q.dtype],
         batch=qb.shape[0],
         heads_q=qb.shape[1],
         heads_kv=kb.shape[1],

@@ -1,6 +1,16 @@
 """From the ranked records of a device to a selection: a forced choice, the fastest tuned
 record of the problem, the fastest record of the nearest tuned shape of the same kind, or the
-heuristic default."""
+default for the device's architecture.
+
+The nearest shape generalises: a record serves problems that differ from it only in batch,
+head count, GQA ratio (grouped or not must agree: a kernel that reads grouped K/V as they are
+and one that needs them repeated rank differently) and sequence lengths within
+:data:`NEAREST_MAX_OCTAVES` octaves, since the ranking of kernels follows the work per key
+block, which those do not change. Where nothing is in reach the default is measured, not a
+preference for sparktune's own kernels: from sm_80 on, PyTorch SDPA's own choice
+(``torch:auto``), which every measured model shape on the H200 ranks first or level with the
+best; on Volta, where SDPA has no flash path, sparktune's kernels first (a model until
+measured)."""
 
 from __future__ import annotations
 
@@ -18,7 +28,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_ORDER",
+    "NEAREST_MAX_OCTAVES",
     "SOURCES",
+    "VOLTA_DEFAULT_ORDER",
+    "default_order",
     "NoKernelError",
     "Selection",
     "Table",
@@ -28,8 +41,15 @@ __all__ = [
     "table_of",
 ]
 
-#: heuristic preference when nothing was tuned: our kernels first, the oracle last
-DEFAULT_ORDER = ("spark", "triton", "torch", "reference")
+#: preference for a problem no record reaches, from sm_80 on (and for tensors off the GPU):
+#: PyTorch SDPA's own choice first, the oracle last
+DEFAULT_ORDER = ("torch", "spark", "triton", "reference")
+#: the same before sm_80 (Volta), where SDPA has no flash kernel: sparktune's kernels first
+VOLTA_DEFAULT_ORDER = ("spark", "triton", "torch", "reference")
+#: the first architecture where SDPA's own choice is the default
+SDPA_DEFAULT_MIN_ARCH = 80
+#: a record serves shapes whose seqlen_q and seqlen_k are each within this many octaves
+NEAREST_MAX_OCTAVES = 1.0
 #: where a selection came from, in the order they are tried
 SOURCES = ("forced", "tuned", "nearest", "default")
 
@@ -52,17 +72,24 @@ class Selection:
 
 
 def _kind(p: Problem) -> tuple[Any, ...]:
-    """Problems of one kind can share a kernel choice: everything but the sizes."""
-    return (p.op, p.dtype, p.head_dim, p.causal, p.allow_fp16_accum, p.group_size, p.seqlen_q == p.seqlen_k)
+    """Problems of one kind can share a kernel choice: everything but the sizes and the GQA
+    ratio (whether K/V are grouped at all is part of the kind)."""
+    return (p.op, p.dtype, p.head_dim, p.causal, p.allow_fp16_accum, p.group_size > 1, p.seqlen_q == p.seqlen_k)
+
+
+def _octaves(a: Problem, b: Problem) -> float:
+    """The larger of the octaves between the two shapes' seqlen_q and seqlen_k."""
+    return max(abs(math.log2(a.seqlen_q / b.seqlen_q)), abs(math.log2(a.seqlen_k / b.seqlen_k)))
 
 
 def _distance(a: Problem, b: Problem) -> float:
     """How far two shapes of one kind are: octaves of seqlen_q and seqlen_k, and half-weight
-    octaves of the number of (batch, head) rows."""
+    octaves of the number of (batch, head) rows and of the GQA ratio."""
     return (
         abs(math.log2(a.seqlen_q / b.seqlen_q))
         + abs(math.log2(a.seqlen_k / b.seqlen_k))
         + 0.5 * abs(math.log2((a.batch * a.heads_q) / (b.batch * b.heads_q)))
+        + 0.5 * abs(math.log2(a.group_size / b.group_size))
     )
 
 
@@ -91,13 +118,7 @@ def _runnable_reasons(
     b = registered.get(cand.backend)
     if b is None:
         return [f"backend {cand.backend!r} is not registered"]
-    try:
-        reasons = b.unavailable_reasons() or b.not_supported_reasons(problem, cand.config, device)
-    except Exception as exc:  # noqa: BLE001 - a backend that cannot answer cannot run
-        reasons = [f"not_supported_reasons raised {type(exc).__name__}: {exc}"]
-    if not reasons and problem.op == "bwd" and type(b).backward is Backend.backward:
-        reasons = [f"backend {cand.backend!r} has no backward"]
-    return list(reasons)
+    return b.runnable_reasons(problem, cand.config, device)
 
 
 def _reasons_text(reasons: dict[str, list[str]]) -> str:
@@ -108,7 +129,9 @@ def _reasons_text(reasons: dict[str, list[str]]) -> str:
 
 
 def forced(problem: Problem, device: DeviceInfo | None, backend: str, config: str | None) -> Selection:
-    """The choice asked for by the caller (``backend=``, ``config=``), if it can run."""
+    """The choice asked for by the caller (``backend=``, ``config=``), if it can run. A forced
+    backend without a backward is still chosen for the "bwd" problem: the call then says that
+    it has none and recomputes the gradients with the reference math."""
     b = get_backend(backend)
     reasons = b.unavailable_reasons() or b.not_supported_reasons(problem, config, device)
     if reasons:
@@ -123,17 +146,17 @@ def forced(problem: Problem, device: DeviceInfo | None, backend: str, config: st
 def heuristic_default(
     problem: Problem, device: DeviceInfo | None, *, registered: dict[str, Backend] | None = None
 ) -> Selection:
-    """The choice for an untuned problem: the first backend in :data:`DEFAULT_ORDER` (then any
-    plugin) that can run it, with that backend's default config."""
+    """The choice for a problem no record reaches: the first backend in
+    :func:`default_order` for the device (then any plugin) that can run it, with that
+    backend's default config (the torch backend's is SDPA's own choice on a GPU)."""
     all_reasons: dict[str, list[str]] = {}
     registered = backends() if registered is None else registered
-    order = [n for n in DEFAULT_ORDER if n in registered] + [n for n in registered if n not in DEFAULT_ORDER]
+    preferred = default_order(device)
+    order = [n for n in preferred if n in registered] + [n for n in registered if n not in preferred]
     for name in order:
         b = registered[name]
+        reasons = b.runnable_reasons(problem, None, device)
         try:
-            reasons = b.unavailable_reasons() or b.not_supported_reasons(problem, None, device)
-            if not reasons and problem.op == "bwd" and type(b).backward is Backend.backward:
-                reasons = ["no backward"]
             cfg = None if reasons else b.default_config(problem, device)
         except Exception as exc:  # noqa: BLE001
             reasons, cfg = [f"raised {type(exc).__name__}: {exc}"], None
@@ -143,8 +166,20 @@ def heuristic_default(
         if cfg is None:
             all_reasons[name] = ["no configuration supports this problem"]
             continue
-        return Selection(Candidate(name, cfg), "default", f"heuristic default ({name} first in preference order)")
+        why = (
+            "before sm_80 sparktune's kernels come first (SDPA has no flash path there)"
+            if preferred is VOLTA_DEFAULT_ORDER
+            else "PyTorch SDPA's own choice comes first: no record reaches this shape"
+        )
+        return Selection(Candidate(name, cfg), "default", f"default for the architecture ({name}: {why})")
     raise NoKernelError(f"no backend can run {problem}:\n" + _reasons_text(all_reasons))
+
+
+def default_order(device: DeviceInfo | None) -> tuple[str, ...]:
+    """The backends' order of preference for a problem no record reaches on ``device``."""
+    if device is not None and device.arch < SDPA_DEFAULT_MIN_ARCH:
+        return VOLTA_DEFAULT_ORDER
+    return DEFAULT_ORDER
 
 
 def _shape_text(p: Problem) -> str:
@@ -189,7 +224,11 @@ def resolve(
                     r,
                 )
         near = sorted(
-            (p for p in table.by_kind.get(_kind(problem), ()) if p != problem),
+            (
+                p
+                for p in table.by_kind.get(_kind(problem), ())
+                if p != problem and _octaves(p, problem) <= NEAREST_MAX_OCTAVES
+            ),
             key=lambda p: (_distance(p, problem), p.seqlen_q, p.seqlen_k, p.batch, p.heads_q),
         )
         for p in near:
@@ -198,7 +237,8 @@ def resolve(
                 return Selection(
                     Candidate(r.backend, r.config),
                     "nearest",
-                    f"nearest tuned shape: {_shape_text(p)} (distance {_distance(p, problem):.2g}; "
+                    f"nearest tuned shape: {_shape_text(p)} (distance {_distance(p, problem):.2g}: "
+                    "the same kind, where batch, heads and the GQA ratio do not change the ranking; "
                     f"{r.median_ms:.4g} ms there, {r.source})",
                     r,
                 )

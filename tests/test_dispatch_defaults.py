@@ -1,0 +1,114 @@
+"""Out of the box never slower than SDPA: the default for a problem no record reaches is
+measured per architecture (SDPA's own choice from sm_80 on, sparktune's kernels on Volta), a
+record serves shapes that differ only in batch, heads or GQA ratio and nearby sequence
+lengths, and dispatch never prefers what the records place below SDPA's own choice."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import pytest
+
+from sparktune import dispatch
+from sparktune.backends.base import Candidate
+from sparktune.backends.reference import ReferenceBackend
+from sparktune.backends.torch_sdpa import AUTO, TorchSDPABackend
+from sparktune.db import Store
+from sparktune.problem import DeviceInfo
+from tests._store_helpers import BUILD, DEVICE, problem, record, registered_plugin
+
+# the module (dispatch has a function of the same name)
+_resolve = importlib.import_module("sparktune.dispatch._resolve")
+
+VOLTA = DeviceInfo("Tesla V100-SXM2-32GB", (7, 0), 80, driver="1", cuda="12.0")
+HOPPER = DEVICE  # sm_90
+
+
+class _StandInSpark(ReferenceBackend):
+    """Stands in for the CUDA family (not built on a CPU machine): runs whatever it is asked."""
+
+    name = "spark"
+    tunable = True
+
+    def configs(self, op="fwd"):
+        return ("fwd_sm80_f16_d64_m128n64_w4x1_acc32_preg",) if op == "fwd" else ("bwd_sm80_f16_d64_m128n64_w4x1_acc32",)
+
+    def not_supported_reasons(self, problem, config=None, device=None):
+        return [] if device is not None else ["needs CUDA"]
+
+
+def _registered() -> dict:
+    return {"spark": _StandInSpark(), "torch": TorchSDPABackend(), "reference": ReferenceBackend()}
+
+
+@pytest.mark.parametrize("op", ["fwd", "bwd"])
+def test_default_per_architecture(op):
+    p = problem(op=op, dtype="bfloat16", heads_q=16, heads_kv=4, head_dim=128, causal=True)
+    hopper = _resolve.heuristic_default(p, HOPPER, registered=_registered())
+    assert hopper.candidate == Candidate("torch", AUTO) and hopper.source == "default"
+    assert "SDPA's own choice" in hopper.detail
+    volta = _resolve.heuristic_default(p, VOLTA, registered=_registered())
+    assert volta.candidate.backend == "spark"
+    assert "sm_80" in volta.detail
+    assert _resolve.default_order(VOLTA)[0] == "spark"
+    assert _resolve.default_order(HOPPER)[0] == "torch"
+    # tensors off the GPU keep the math kernel (SDPA's public call is not forced there)
+    assert _resolve.heuristic_default(p, None, registered=_registered()).candidate == Candidate("torch", "math")
+
+
+@pytest.fixture
+def store_path(tmp_path, monkeypatch):
+    monkeypatch.setattr(dispatch, "build_id", lambda: BUILD)
+    path = tmp_path / "d.sqlite3"
+    with registered_plugin(path):
+        yield path
+
+
+def _fill(path, records):
+    with Store(path) as s:
+        s.add(records)
+    dispatch.reload()
+
+
+def test_a_record_serves_other_batches_heads_and_gqa_ratios(store_path):
+    tuned = problem(heads_q=16, heads_kv=4, seqlen_q=8192, seqlen_k=8192, causal=True)
+    _fill(store_path, [record(tuned, config="fast", median=1.0), record(tuned, config="slow", median=2.0)])
+    served = [
+        dataclasses.replace(tuned, batch=4),
+        dataclasses.replace(tuned, heads_q=32, heads_kv=4),  # GQA 8:1
+        dataclasses.replace(tuned, heads_q=64, heads_kv=8, batch=2),
+        dataclasses.replace(tuned, seqlen_q=4096, seqlen_k=4096),  # one octave
+    ]
+    for p in served:
+        sel = dispatch.select(p, DEVICE)
+        assert (sel.candidate.config, sel.source) == ("fast", "nearest"), p
+        assert "heads 16/4" in sel.detail and "GQA ratio" in sel.detail
+        text = str(dispatch.explain(p, DEVICE))
+        assert "nearest tuned shape" in text
+    not_served = [
+        dataclasses.replace(tuned, heads_kv=16),  # not grouped: SDPA backends that repeat K/V rank otherwise
+        dataclasses.replace(tuned, seqlen_q=2048, seqlen_k=2048),  # two octaves away
+        dataclasses.replace(tuned, causal=False),
+        dataclasses.replace(tuned, dtype="bfloat16"),
+    ]
+    for p in not_served:
+        assert dispatch.select(p, DEVICE).source == "default", p
+
+
+def test_never_below_sdpa_own_choice(store_path):
+    """Where records measured SDPA's own choice fastest, dispatch runs it, tuned or nearest;
+    a backend the records place below it is not chosen."""
+    tuned = problem(heads_q=16, heads_kv=4, seqlen_q=2048, seqlen_k=2048, causal=True)
+    _fill(
+        store_path,
+        [
+            record(tuned, backend="torch", config=AUTO, median=0.5),
+            record(tuned, backend="torch", config="cudnn", median=0.6),
+            record(tuned, config="fast", median=0.7),
+        ],
+    )
+    for p in (tuned, dataclasses.replace(tuned, batch=3, heads_q=32)):
+        sel = dispatch.select(p, DEVICE)
+        assert sel.candidate == Candidate("torch", AUTO), p
+        assert sel.source in ("tuned", "nearest")
