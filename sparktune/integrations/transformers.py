@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -98,6 +99,8 @@ FALLBACK_REASONS: dict[str, str] = {
     "rejected": "sparktune.attention raised (the log line says why)",
 }
 
+#: torch.export is tracing (False on a torch without the question)
+_is_exporting: Callable[[], bool] = getattr(torch.compiler, "is_exporting", lambda: False)
 #: sparktune.attention's input dtypes
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -309,7 +312,7 @@ def _skippable_while_tracing(kwargs: dict[str, Any]) -> bool:
     """Whether transformers' eager rules skip this mask without reading a tensor (no padding
     mask, an integer query offset, no local window that bites) while a compiler traces,
     where transformers' own mask function may materialise it."""
-    if not torch.compiler.is_compiling() or torch.compiler.is_exporting():
+    if not torch.compiler.is_compiling() or _is_exporting():
         return False
     if "q_length" not in kwargs or kwargs.get("attention_mask") is not None:
         return False  # an older signature, or a padding mask: decided by transformers
