@@ -42,8 +42,9 @@ a packed-sequence mask from ``position_ids`` and so builds a full mask. There th
 function compares the mask with the causal one on the device and branches on the result,
 a graph break at each attention call, when the compiler allows graph breaks; under
 ``fullgraph=True`` or ``torch.export`` it cannot, and the call falls back to SDPA
-(reason ``"mask_unchecked"``). Passing ``position_ids`` of your own does not avoid it; passing
-a cache, or compiling for inference, does.
+(reason ``"mask_unchecked"``). A forward with a cache (``use_cache=True``, as in generation)
+has no such mask. (A mask transformers builds from a padding mask is never skipped while
+tracing: it is compared in the same way.)
 
 Under a compiler, the counters count the calls traced, not the calls run.
 """
