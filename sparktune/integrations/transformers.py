@@ -1,0 +1,352 @@
+"""Hugging Face transformers models on sparktune: ``attn_implementation="sparktune"``.
+
+::
+
+    import sparktune.integrations.transformers  # registers "sparktune" (so does register())
+
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="sparktune")
+    model.set_attn_implementation("sparktune")  # or switch a model already built
+
+Importing this module registers, under the name ``"sparktune"``, an attention function with
+transformers' ``AttentionInterface`` and a mask function with its ``AttentionMaskInterface``.
+Importing ``sparktune`` itself never imports transformers.
+
+**What runs on sparktune.** transformers hands the attention function q, k and v as
+(B, H, N, D) tensors, grouped-query K/V not repeated. They go to :func:`sparktune.attention`
+as they are, seen as (B, N, H, D) (``layout="bnhd"``, views, no copies): K/V heads stay
+grouped (``heads_kv < heads_q``), and the output comes back as (B, N, H, D), contiguous, which
+is what transformers' own ``sdpa`` function returns and what the model reshapes next. The
+attention weights returned are None.
+
+- No mask (the mask function skipped it), as transformers' ``sdpa`` function reads it: causal
+  when the layer is causal and there is more than one query; keys past the queries are
+  dropped first when there are more of them (the prefill of an empty static cache, the only
+  case where transformers leaves such a mask out).
+- A boolean mask that is exactly the plain causal mask (square, query ``i`` sees keys
+  ``j <= i``): causal. Such a mask reaches the attention function when a model asks for a
+  materialised mask, or when transformers builds one because it is tracing (below). In eager
+  mode each mask tensor is compared once (the result is kept for that tensor and version).
+
+**What falls back.** Anything else runs transformers' own ``sdpa`` function with the same
+arguments, so that the result is the one ``attn_implementation="sdpa"`` gives; each reason
+is logged once (logger ``sparktune.integrations.transformers``) and counted
+(:func:`counters`). The reasons are :data:`FALLBACK_REASONS`.
+
+**torch.compile.** transformers' own mask function materialises a mask while tracing in
+cases where it can skip it in eager mode. The mask function registered here is transformers'
+``sdpa`` mask function, except that while compiling it skips the mask wherever transformers'
+eager rules skip it without reading any tensor (no padding mask given, integer offsets, no
+local window that bites): a traced model then reaches sparktune with no data-dependent
+branch. One case stays data-dependent: training without a cache, where transformers derives
+a packed-sequence mask from ``position_ids`` and so builds a full mask. There the attention
+function compares the mask with the causal one on the device and branches on the result,
+a graph break at each attention call, when the compiler allows graph breaks; under
+``fullgraph=True`` or ``torch.export`` it cannot, and the call falls back to SDPA
+(reason ``"mask_unchecked"``). A forward with a cache (``use_cache=True``, as in generation)
+has no such mask. (A mask transformers builds from a padding mask is never skipped while
+tracing: it is compared in the same way.)
+
+Under a compiler, the counters count the calls traced, not the calls run.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import transformers
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+import sparktune
+
+try:  # the mask functions and their interface (transformers 4.53 and later)
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+except ImportError:  # pragma: no cover - older transformers
+    AttentionMaskInterface = None
+    sdpa_mask = None
+
+__all__ = [
+    "FALLBACK_REASONS",
+    "NAME",
+    "attention_forward",
+    "counters",
+    "mask_function",
+    "register",
+    "reset_counters",
+]
+
+log = logging.getLogger(__name__)
+
+#: the ``attn_implementation`` name this module registers
+NAME = "sparktune"
+
+#: why a call falls back to transformers' sdpa function -> what that means
+FALLBACK_REASONS: dict[str, str] = {
+    "mask": "an attention mask other than the plain causal one (padding, packed sequences, "
+    "a sliding window or chunk that bites, a custom mask)",
+    "mask_unchecked": "a mask met while torch.compile traces with graph breaks forbidden "
+    "(fullgraph=True or export), where it cannot be compared with the causal mask",
+    "dropout": "attention dropout (a model in training mode with attention_dropout > 0)",
+    "softcap": "soft-capped attention logits",
+    "output_attentions": "the attention weights were asked for",
+    "position_bias": "an additive position bias",
+    "dtype": "a dtype other than float16 and bfloat16",
+    "shape": "shapes sparktune does not take (k and v head dims differ, batch sizes differ, "
+    "query heads not a multiple of key heads)",
+    "layout": "a tensor whose last dimension is not contiguous",
+    "rejected": "sparktune.attention raised (the log line says why)",
+}
+
+#: torch.export is tracing (False on a torch without the question)
+_is_exporting: Callable[[], bool] = getattr(torch.compiler, "is_exporting", lambda: False)
+#: sparktune.attention's input dtypes
+_DTYPES = (torch.float16, torch.bfloat16)
+
+_counts: dict[str, int] = {}
+_logged: set[str] = set()
+
+
+def counters() -> dict[str, int]:
+    """Calls of the attention function in this process: ``"sparktune"`` for those that ran
+    on :func:`sparktune.attention`, and one entry per fallback reason met (see
+    :data:`FALLBACK_REASONS`). Under a compiler, the calls traced."""
+    return dict(_counts)
+
+
+def reset_counters() -> None:
+    """Set every count to zero (reasons already logged stay quiet)."""
+    _counts.clear()
+
+
+@torch.compiler.assume_constant_result
+def _note(what: str, detail: str = "") -> bool:
+    """Count one call of kind ``what`` ("sparktune" or a fallback reason) and log a fallback
+    reason the first time it is met. Marked constant so that a compiler runs it once while
+    tracing (logging cannot be traced) instead of breaking the graph."""
+    _counts[what] = _counts.get(what, 0) + 1
+    if what != NAME and what not in _logged:
+        _logged.add(what)
+        log.warning(
+            "sparktune: attention falls back to transformers' sdpa: %s%s "
+            "(logged once per reason; see sparktune.integrations.transformers.counters())",
+            FALLBACK_REASONS.get(what, what),
+            f" ({detail})" if detail else "",
+        )
+    return True
+
+
+@torch.compiler.assume_constant_result
+def _graph_breaks_allowed() -> bool:
+    """Whether the compiler tracing the caller may break the graph (not under
+    ``fullgraph=True``, ``torch.export`` or ``error_on_graph_break``). Answered while
+    tracing, from the tracer's own settings; False whenever that cannot be read."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        return not (getattr(tx, "one_graph", True) or getattr(tx, "error_on_graph_break", True))
+    except Exception:  # noqa: BLE001 - another tracer, or another torch: assume not
+        return False
+
+
+# --------------------------------------------------------------------- the plain causal mask
+
+#: (weak reference to a mask, its version, the answer) for the masks compared lately
+_checked: list[tuple[weakref.ref[torch.Tensor], int, bool]] = []
+#: masks remembered (a model has one or two kinds of mask: full and sliding)
+_CHECKED_MAX = 4
+#: mask elements compared at once in eager mode (bounds the temporary comparison)
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def _equals_causal_traced(mask: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool: the square mask is the causal one (one expression, which a compiler
+    fuses into a reduction over the mask)."""
+    n = mask.shape[-1]
+    idx = torch.arange(n, device=mask.device)
+    return (mask == (idx[:, None] >= idx[None, :])).all()
+
+
+def _equals_causal(mask: torch.Tensor) -> bool:
+    """Whether the square mask is the causal one, compared in row blocks (one sync)."""
+    n = mask.shape[-1]
+    cols = torch.arange(n, device=mask.device)
+    rows_per_block = max(1, _CHUNK_ELEMENTS // max(1, mask[..., :1, :].numel()))
+    ok = torch.ones((), dtype=torch.bool, device=mask.device)
+    for start in range(0, n, rows_per_block):
+        rows = cols[start : start + rows_per_block]
+        block = mask[..., start : start + rows_per_block, :]
+        ok &= (block == (rows[:, None] >= cols[None, :])).all()
+    return bool(ok)
+
+
+def _is_plain_causal(mask: torch.Tensor, nq: int, nk: int) -> bool | None:
+    """Whether ``mask`` is exactly the causal mask of a square problem; None when that
+    cannot be known (a compiler that forbids graph breaks is tracing)."""
+    if (
+        mask.dtype != torch.bool
+        or mask.dim() != 4
+        or nq != nk
+        or tuple(mask.shape[-2:]) != (nq, nk)
+    ):
+        return False
+    if torch.compiler.is_compiling():
+        if not _graph_breaks_allowed():
+            return None
+        return bool(_equals_causal_traced(mask))  # data-dependent: the graph breaks here
+    if torch.is_inference(mask):  # no version counter: compared at every call
+        return _equals_causal(mask)
+    version = mask._version
+    for ref, seen_version, answer in _checked:
+        if ref() is mask and seen_version == version:
+            return answer
+    answer = _equals_causal(mask)
+    if len(_checked) >= _CHECKED_MAX:
+        del _checked[0]
+    _checked.append((weakref.ref(mask), version, answer))
+    return answer
+
+
+# ------------------------------------------------------------------------ attention function
+
+
+def _unsupported(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout: float,
+    kwargs: dict[str, Any],
+) -> tuple[str, str] | None:
+    """(reason, detail) when the call cannot run on sparktune whatever the mask; else None."""
+    if dropout:
+        return "dropout", f"p={dropout}"
+    if kwargs.get("softcap") is not None:
+        return "softcap", ""
+    if kwargs.get("output_attentions"):
+        return "output_attentions", ""
+    if kwargs.get("position_bias") is not None:
+        return "position_bias", ""
+    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in _DTYPES:
+        return "dtype", str(query.dtype).removeprefix("torch.")
+    if (
+        query.dim() != 4
+        or key.dim() != 4
+        or key.shape != value.shape
+        or query.shape[0] != key.shape[0]
+        or query.shape[3] != key.shape[3]
+        or query.shape[1] % key.shape[1]
+    ):
+        return "shape", f"q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}"
+    if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
+        return "layout", ""
+    return None
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention function for ``attn_implementation="sparktune"``: the
+    signature and result of its ``sdpa`` function (q, k, v (B, H, N, D), K/V heads grouped;
+    output (B, N, H, D) contiguous, weights None), computed by :func:`sparktune.attention`
+    where it can be, else by transformers' ``sdpa`` function (see the module's text)."""
+    problem = _unsupported(query, key, value, dropout, kwargs)
+    nq, nk = query.shape[2], key.shape[2]
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    k, v = key, value
+    if problem is None and attention_mask is not None:
+        plain = _is_plain_causal(attention_mask, nq, nk)
+        if plain is None:
+            problem = "mask_unchecked", ""
+        elif not plain:
+            problem = "mask", f"{attention_mask.dtype} mask of shape {tuple(attention_mask.shape)}"
+        else:
+            causal = True
+    elif causal:
+        # no mask, as transformers' sdpa function reads it: one query sees every key; more
+        # keys than queries only for an empty static cache, whose unwritten tail is dropped
+        causal = nq > 1
+        if causal and nk > nq:
+            k, v = key[:, :, :nq], value[:, :, :nq]
+    if problem is None:
+        q, k, v = query.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if torch.compiler.is_compiling():  # checked while tracing; nothing to catch here
+            out = sparktune.attention(q, k, v, causal=causal, scale=scaling, layout="bnhd")
+            _note(NAME)
+            return out, None
+        try:
+            out = sparktune.attention(q, k, v, causal=causal, scale=scaling, layout="bnhd")
+        except (TypeError, ValueError) as exc:  # NoKernelError is a ValueError
+            problem = "rejected", str(exc).splitlines()[0]
+        else:
+            _note(NAME)
+            return out, None
+    reason, detail = problem
+    _note(reason, detail)
+    return sdpa_attention_forward(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=dropout,
+        scaling=scaling,
+        is_causal=is_causal,
+        **kwargs,
+    )
+
+
+# ----------------------------------------------------------------------------- mask function
+
+
+def _skippable_while_tracing(kwargs: dict[str, Any]) -> bool:
+    """Whether transformers' eager rules skip this mask without reading a tensor (no padding
+    mask, an integer query offset, no local window that bites) while a compiler traces,
+    where transformers' own mask function may materialise it."""
+    if not torch.compiler.is_compiling() or _is_exporting():
+        return False
+    if "q_length" not in kwargs or kwargs.get("attention_mask") is not None:
+        return False  # an older signature, or a padding mask: decided by transformers
+    q_length, kv_length = kwargs["q_length"], kwargs["kv_length"]
+    q_offset = kwargs.get("q_offset", 0)
+    if isinstance(q_offset, torch.Tensor):
+        return False
+    local_size = kwargs.get("local_size")
+    if local_size is not None and kv_length >= local_size:
+        return False
+    if kwargs.get("allow_is_causal_skip", True):
+        return bool(q_length == 1 or kv_length == q_length or q_offset == 0)
+    return bool(kwargs.get("allow_is_bidirectional_skip", False))
+
+
+def mask_function(**kwargs: Any) -> torch.Tensor | None:
+    """transformers' mask function for ``attn_implementation="sparktune"``: its ``sdpa``
+    mask function (a boolean mask, or None where SDPA's ``is_causal`` or no mask does), which
+    also skips, while a compiler traces, the masks that its eager rules skip without reading
+    data. Takes the keyword arguments transformers passes to a mask function."""
+    if _skippable_while_tracing(kwargs):
+        return None
+    if sdpa_mask is None:  # pragma: no cover - older transformers
+        raise RuntimeError("this transformers has no sdpa_mask")
+    return sdpa_mask(**kwargs)
+
+
+def register() -> None:
+    """Register ``attn_implementation="sparktune"`` (attention and mask functions) with
+    transformers. Idempotent; importing this module already did it."""
+    transformers.AttentionInterface.register(NAME, attention_forward)
+    if AttentionMaskInterface is not None:
+        AttentionMaskInterface.register(NAME, mask_function)
+
+
+register()

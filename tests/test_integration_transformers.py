@@ -1,0 +1,400 @@
+"""``attn_implementation="sparktune"`` for Hugging Face transformers models
+(:mod:`sparktune.integrations.transformers`), on tiny models built from a config (CPU, no
+downloads): logits and gradients against transformers' own ``sdpa`` implementation with the
+same weights, grouped K/V reaching sparktune without a repeat, the fallbacks and their
+counters, switching implementations, a cache, and ``torch.compile``."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import sparktune  # noqa: E402
+from sparktune.integrations import transformers as hf  # noqa: E402
+
+# CPU tensors always take sparktune's reference fallback (tests/test_attention_api.py tests
+# its warning)
+pytestmark = pytest.mark.filterwarnings("ignore:sparktune. attention runs on the fallback")
+
+VOCAB = 96
+SEQ = 20
+#: the keyword that passes a cache to a model's forward (renamed in transformers 5.24)
+CACHE_KWARG = (
+    "cache"
+    if "cache" in inspect.signature(transformers.LlamaModel.forward).parameters
+    else "past_key_values"
+)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_counters():
+    hf.reset_counters()
+    hf._checked.clear()
+    yield
+    hf.reset_counters()
+
+
+def llama_config(**overrides: Any) -> Any:
+    """A tiny Llama: hidden 64, 4 query heads and 2 key/value heads of dim 16, 2 layers."""
+    settings: dict[str, Any] = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    settings.update(overrides)
+    return transformers.LlamaConfig(**settings)
+
+
+def gpt2_config() -> Any:
+    """A tiny GPT-2: head dim 64, 2 heads (multi-head attention), 2 layers, no dropout."""
+    return transformers.GPT2Config(
+        n_embd=128,
+        n_head=2,
+        n_layer=2,
+        vocab_size=VOCAB,
+        n_positions=64,
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def build(config: Any, attn: str, dtype: torch.dtype = torch.float16) -> Any:
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=attn, dtype=dtype
+    )
+
+
+def tokens(batch: int = 2, seq: int = SEQ) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+def step(model: Any, ids: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Logits (float32) and parameter gradients (float32) of one forward and backward."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids, use_cache=False, **kwargs)
+    out.loss.backward()
+    grads = {
+        n.removeprefix("_orig_mod."): p.grad.float()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
+    return out.logits.float(), grads
+
+
+def err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest difference, relative to the reference's largest magnitude."""
+    return ((a - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+
+
+def assert_like_sdpa(model: Any, ids: torch.Tensor) -> None:
+    """sparktune's logits and gradients are as close to a float32 run of the same weights as
+    SDPA's own (in the model's dtype) are: the difference is rounding noise."""
+    reference = copy.deepcopy(model).float()
+    reference.set_attn_implementation("sdpa")
+    ref_logits, ref_grads = step(reference, ids)
+    model.set_attn_implementation("sdpa")
+    sdpa_logits, sdpa_grads = step(model, ids)
+    model.set_attn_implementation("sparktune")
+    before = hf.counters().get("sparktune", 0)
+    logits, grads = step(model, ids)
+    assert hf.counters().get("sparktune", 0) - before == model.config.num_hidden_layers
+    noise = max(err(sdpa_logits, ref_logits), 2e-3)
+    assert err(logits, ref_logits) <= 2 * noise, (err(logits, ref_logits), noise)
+    assert grads.keys() == ref_grads.keys() == sdpa_grads.keys()
+    for name, ref in ref_grads.items():
+        noise = max(err(sdpa_grads[name], ref), 4e-3)
+        assert err(grads[name], ref) <= 2 * noise, (name, err(grads[name], ref), noise)
+
+
+# -- registration ------------------------------------------------------------------------------
+
+
+def test_registered_with_transformers():
+    assert transformers.AttentionInterface._global_mapping["sparktune"] is hf.attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
+
+    assert AttentionMaskInterface._global_mapping["sparktune"] is hf.mask_function
+    hf.register()  # idempotent
+    hf.register()
+    assert transformers.AttentionInterface._global_mapping["sparktune"] is hf.attention_forward
+
+
+def test_importing_sparktune_does_not_import_transformers():
+    code = (
+        "import sys, sparktune, sparktune.integrations; "
+        "sys.exit(1 if 'transformers' in sys.modules else 0)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- results against sdpa -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_llama_gqa_logits_and_gradients_match_sdpa(dtype):
+    model = build(llama_config(), "sparktune", dtype)
+    assert model.config._attn_implementation == "sparktune"
+    assert_like_sdpa(model, tokens())
+    assert set(hf.counters()) == {"sparktune"}
+
+
+def test_gpt2_logits_and_gradients_match_sdpa():
+    model = build(gpt2_config(), "sparktune")
+    assert_like_sdpa(model, tokens())
+    assert set(hf.counters()) == {"sparktune"}
+
+
+def test_grouped_kv_reaches_sparktune_without_repeat(monkeypatch):
+    calls: list[dict[str, Any]] = []
+    real = sparktune.attention
+
+    def spy(q, k, v, **kwargs):
+        calls.append(dict(q=q.shape, k=k.shape, v=v.shape, **kwargs))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(sparktune, "attention", spy)
+    model = build(llama_config(), "sparktune")
+    ids = tokens(batch=2, seq=12)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    assert len(calls) == 2
+    for call in calls:
+        # (B, N, H, D) views: 4 query heads, 2 key/value heads, not repeated
+        assert call["q"] == (2, 12, 4, 16)
+        assert call["k"] == call["v"] == (2, 12, 2, 16)
+        assert call["layout"] == "bnhd"
+        assert call["causal"] is True
+        assert call["scale"] == pytest.approx(16**-0.5)
+
+
+def test_output_layout_is_sdpa_s():
+    model = build(llama_config(), "sparktune")
+    attn = model.model.layers[0].self_attn
+    q = torch.randn(2, 4, 10, 16, dtype=torch.float16).transpose(1, 2).contiguous().transpose(1, 2)
+    k = torch.randn(2, 2, 10, 16, dtype=torch.float16)
+    v = torch.randn(2, 2, 10, 16, dtype=torch.float16)
+    out, weights = hf.attention_forward(attn, q, k, v, None, scaling=0.25)
+    ref, _ = transformers.integrations.sdpa_attention.sdpa_attention_forward(
+        attn, q, k, v, None, scaling=0.25
+    )
+    assert weights is None
+    assert out.shape == ref.shape == (2, 10, 4, 16)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+
+
+def test_more_keys_than_queries_without_mask_is_sdpa_s_reading():
+    """An empty static cache's prefill: no mask, more keys than queries; transformers' sdpa
+    drops the unwritten keys and runs causal."""
+    model = build(llama_config(), "sparktune")
+    attn = model.model.layers[0].self_attn
+    q = torch.randn(1, 4, 6, 16, dtype=torch.float16)
+    k = torch.randn(1, 2, 16, 16, dtype=torch.float16)
+    v = torch.randn(1, 2, 16, 16, dtype=torch.float16)
+    sdpa = transformers.integrations.sdpa_attention.sdpa_attention_forward
+    for nq in (6, 1):
+        out, _ = hf.attention_forward(attn, q[:, :, :nq], k, v, None)
+        ref, _ = sdpa(attn, q[:, :, :nq], k, v, None)
+        torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+    assert hf.counters() == {"sparktune": 2}
+
+
+def test_cache_prefill_and_decode_match_sdpa():
+    model = build(llama_config(), "sparktune")
+    ids = tokens(batch=1, seq=12)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            first = model(input_ids=ids, use_cache=True)
+            nxt = first.logits[:, -1:].argmax(-1)
+            second = model(input_ids=nxt, **{CACHE_KWARG: first.past_key_values}, use_cache=True)
+        return first.logits.float(), second.logits.float()
+
+    prefill, decode = run()
+    assert hf.counters() == {"sparktune": 4}
+    model.set_attn_implementation("sdpa")
+    ref_prefill, ref_decode = run()
+    assert err(prefill, ref_prefill) < 1e-2
+    assert err(decode, ref_decode) < 1e-2
+
+
+def test_from_pretrained_and_set_attn_implementation(tmp_path):
+    build(llama_config(), "sdpa").save_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="sparktune", dtype=torch.float16
+    )
+    assert model.config._attn_implementation == "sparktune"
+    ids = tokens()
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+        assert hf.counters() == {"sparktune": 2}
+        model.set_attn_implementation("sdpa")
+        model(input_ids=ids, use_cache=False)
+        assert hf.counters() == {"sparktune": 2}
+        model.set_attn_implementation("sparktune")
+        model(input_ids=ids, use_cache=False)
+    assert hf.counters() == {"sparktune": 4}
+
+
+# -- fallbacks ------------------------------------------------------------------------------------
+
+
+def test_padding_mask_falls_back_counted_and_logged_once(caplog):
+    model = build(llama_config(), "sparktune")
+    ids = tokens()
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding
+    caplog.set_level(logging.WARNING, logger=hf.__name__)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+        assert hf.counters() == {"mask": 4}
+        model.set_attn_implementation("sdpa")
+        ref = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert torch.equal(out, ref)  # the very same function ran
+    lines = [r for r in caplog.records if r.name == hf.__name__]
+    assert len(lines) == 1 and "sdpa" in lines[0].getMessage()
+    assert "padding" in lines[0].getMessage()
+
+
+def test_all_ones_padding_mask_runs_on_sparktune():
+    model = build(llama_config(), "sparktune")
+    ids = tokens()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    assert hf.counters() == {"sparktune": 2}
+
+
+def test_materialised_causal_mask_runs_on_sparktune_and_is_compared_once(monkeypatch):
+    model = build(llama_config(), "sparktune")
+    attn = model.model.layers[0].self_attn
+    q = torch.randn(2, 4, 10, 16, dtype=torch.float16)
+    k = torch.randn(2, 2, 10, 16, dtype=torch.float16)
+    v = torch.randn(2, 2, 10, 16, dtype=torch.float16)
+    causal = torch.ones(10, 10, dtype=torch.bool).tril().expand(2, 1, 10, 10)
+    compared: list[int] = []
+    real = hf._equals_causal
+    monkeypatch.setattr(hf, "_equals_causal", lambda m: compared.append(1) or real(m))
+    sdpa = transformers.integrations.sdpa_attention.sdpa_attention_forward
+    ref, _ = sdpa(attn, q, k, v, None)
+    for _ in range(3):
+        out, _ = hf.attention_forward(attn, q, k, v, causal)
+        torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+    assert hf.counters() == {"sparktune": 3}
+    assert len(compared) == 1  # one comparison for this mask tensor
+    other = causal.clone()
+    other[1, 0, 9, 0] = False
+    out, _ = hf.attention_forward(attn, q, k, v, other)
+    ref, _ = sdpa(attn, q, k, v, other)
+    assert torch.equal(out, ref)
+    assert hf.counters() == {"sparktune": 3, "mask": 1}
+    causal_copy = causal.clone()
+    causal_copy[0, 0, 0, 1] = True  # an in-place change is seen (the tensor's version)
+    hf.attention_forward(attn, q, k, v, causal_copy)
+    assert hf.counters()["mask"] == 2
+
+
+def test_dropout_in_training_falls_back():
+    model = build(llama_config(attention_dropout=0.1), "sparktune")
+    ids = tokens()
+    model.train()
+    step(model, ids)
+    assert hf.counters() == {"dropout": 2}
+    model.eval()  # no dropout in evaluation: sparktune
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    assert hf.counters() == {"dropout": 2, "sparktune": 2}
+
+
+def test_float32_falls_back():
+    model = build(llama_config(), "sparktune", torch.float32)
+    with torch.no_grad():
+        model(input_ids=tokens(), use_cache=False)
+    assert hf.counters() == {"dtype": 2}
+
+
+def test_unsupported_arguments_fall_back():
+    model = build(llama_config(), "sparktune")
+    attn = model.model.layers[0].self_attn
+    q = torch.randn(1, 4, 8, 16, dtype=torch.float16)
+    k = torch.randn(1, 2, 8, 16, dtype=torch.float16)
+    hf.attention_forward(attn, q, k, k, None, output_attentions=True)
+    hf.attention_forward(attn, q, k, k[..., :8].contiguous(), None)  # v head dim differs
+    hf.attention_forward(attn, q, k.transpose(2, 3).contiguous().transpose(2, 3), k, None)
+    bias = torch.zeros(1, 4, 8, 8, dtype=torch.float16)
+    hf.attention_forward(attn, q, k, k, None, position_bias=bias)
+    assert hf.counters() == {
+        "output_attentions": 1,
+        "shape": 1,
+        "layout": 1,
+        "position_bias": 1,
+    }
+    assert set(hf.counters()) <= set(hf.FALLBACK_REASONS)
+
+
+# -- torch.compile ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.usefixtures("_fresh_dynamo")
+def test_compiled_with_a_cache_reaches_sparktune_in_one_graph():
+    """While tracing, transformers' mask function may build the causal mask; ours skips it
+    by transformers' own eager rules, so a fullgraph model reaches sparktune."""
+    model = build(llama_config(), "sparktune")
+    ids = tokens(batch=1, seq=12)
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=True).logits
+        hf.reset_counters()
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        out = compiled(input_ids=ids, use_cache=True).logits
+    assert hf.counters() == {"sparktune": 2}
+    torch.testing.assert_close(out, ref, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.usefixtures("_fresh_dynamo")
+def test_compiled_training_compares_the_mask_or_falls_back():
+    """Training without a cache: transformers builds a packed-sequence mask while tracing.
+    Where graph breaks are allowed it is compared with the causal mask on the device (and
+    sparktune runs); under fullgraph it cannot be, and SDPA runs on it."""
+    model = build(llama_config(), "sparktune")
+    ids = tokens()
+    ref_logits, ref_grads = step(model, ids)
+    hf.reset_counters()
+    logits, grads = step(torch.compile(model, backend="aot_eager"), ids)
+    counts = hf.counters()
+    assert counts.get("sparktune", 0) >= 1 and set(counts) == {"sparktune"}
+    torch.testing.assert_close(logits, ref_logits, atol=1e-2, rtol=1e-2)
+    for name, ref in ref_grads.items():
+        assert err(grads[name], ref) < 2e-2, name
+
+    torch._dynamo.reset()
+    hf.reset_counters()
+    logits, _ = step(torch.compile(model, backend="aot_eager", fullgraph=True), ids)
+    assert set(hf.counters()) == {"mask_unchecked"}
+    torch.testing.assert_close(logits, ref_logits, atol=1e-2, rtol=1e-2)
