@@ -2,7 +2,9 @@
 
 The server: ``$SPARKTUNE_TEST_PG`` (an admin URL), else the local one at 127.0.0.1:5432 as user
 postgres (trust authentication; ``.ci/run`` starts it). Where no server answers, or psycopg is
-not installed, the tests that need it are skipped with the reason. Each test gets a database of
+not installed, the tests that need it are skipped with the reason -- except on CI (``$CI`` is
+true) where a server is installed or named: there they fail, so that a server that did not
+start can never pass for one that is absent. Each test gets a database of
 its own, named with a prefix unique to the test session, and drops it afterwards; databases
 left behind by a session whose process is gone are dropped on first use.
 """
@@ -10,9 +12,11 @@ left behind by a session whose process is gone are dropped on first use.
 from __future__ import annotations
 
 import functools
+import glob
 import itertools
 import os
 import secrets
+import shutil
 
 import pytest
 
@@ -63,6 +67,18 @@ def unavailable() -> str:
     return ""
 
 
+def required() -> str:
+    """Why the PostgreSQL tests must run here rather than skip ("" when they may skip): on CI
+    (``$CI`` true), a server named by ``$SPARKTUNE_TEST_PG`` or installed on this machine."""
+    if os.environ.get("CI", "").strip().lower() not in ("true", "1", "yes"):
+        return ""
+    if os.environ.get(ENV_PG):
+        return f"${ENV_PG} names a server"
+    if shutil.which("pg_ctlcluster") or glob.glob("/usr/lib/postgresql/*/bin/postgres"):
+        return "a PostgreSQL server is installed on this machine"
+    return ""
+
+
 def _drop_orphans(conn) -> None:
     rows = conn.execute("SELECT datname FROM pg_database WHERE datname LIKE 'sparktune\\_test\\_%'").fetchall()
     for (name,) in rows:
@@ -85,6 +101,9 @@ def create_database() -> tuple[str, str]:
     """(name, SQLAlchemy URL) of a new, empty database."""
     reason = unavailable()
     if reason:
+        must = required()
+        if must:
+            pytest.fail(f"{reason}; on CI, {must}: the PostgreSQL tests must run, not skip", pytrace=False)
         pytest.skip(reason)
     name = f"{PREFIX}_{next(_counter)}"
     with _connect() as conn:

@@ -158,3 +158,24 @@ def test_merge_between_postgres_and_sqlite(pg_url, tmp_path, capsys):  # noqa: F
     with Store(back) as s:
         (r,) = s.records()
         assert r.host == "node-7" and r.median_ms == 0.5
+
+
+def test_on_ci_an_installed_server_must_answer(monkeypatch):
+    """Off CI the PostgreSQL tests skip without a server; on CI, where a server is named or
+    installed, they fail instead (a server that did not start must not look absent)."""
+    from tests import _pg
+
+    monkeypatch.delenv(_pg.ENV_PG, raising=False)
+    monkeypatch.delenv("CI", raising=False)
+    assert _pg.required() == ""
+    monkeypatch.setenv("CI", "true")
+    monkeypatch.setattr(_pg.shutil, "which", lambda name: None)
+    monkeypatch.setattr(_pg.glob, "glob", lambda pattern: [])
+    assert _pg.required() == ""  # no server on this machine: skipping is honest
+    monkeypatch.setattr(_pg.shutil, "which", lambda name: f"/usr/bin/{name}" if name == "pg_ctlcluster" else None)
+    assert "installed" in _pg.required()
+    monkeypatch.setattr(_pg.shutil, "which", lambda name: None)
+    monkeypatch.setenv(_pg.ENV_PG, "postgresql+psycopg://postgres@db.example:5432/postgres")
+    assert "SPARKTUNE_TEST_PG" in _pg.required()
+    monkeypatch.setenv("CI", "false")
+    assert _pg.required() == ""
