@@ -19,9 +19,8 @@ from sparktune.db import Store, problem_key
 from sparktune.kernels import triton_space
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "csrc"))
-from kernel_space import DTYPES as SPARK_DTYPES  # noqa: E402
-from kernel_space import full_space  # noqa: E402
+from sparktune.kernels.kernel_space import DTYPES as SPARK_DTYPES  # noqa: E402
+from sparktune.kernels.kernel_space import full_space  # noqa: E402
 
 FILES = sorted((ROOT / "tuning_db").glob("*.jsonl"))
 SPARK = {e.name: e for e in full_space()}
