@@ -17,10 +17,10 @@ from sparktune import db
 from sparktune.backends.torch_sdpa import TorchSDPABackend
 from sparktune.db import Store, problem_key
 from sparktune.kernels import triton_space
+from sparktune.kernels.kernel_space import DTYPES as SPARK_DTYPES
+from sparktune.kernels.kernel_space import full_space
 
 ROOT = Path(__file__).resolve().parent.parent
-from sparktune.kernels.kernel_space import DTYPES as SPARK_DTYPES  # noqa: E402
-from sparktune.kernels.kernel_space import full_space  # noqa: E402
 
 FILES = sorted((ROOT / "tuning_db").glob("*.jsonl"))
 SPARK = {e.name: e for e in full_space()}
