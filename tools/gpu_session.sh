@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One device call of checks, each with its own time limit, everything logged under $OUT/logs
+# and packed into $OUT/logs.tgz (the device returns few files):
+#   tools/gpu_session.sh KERNEL_PATTERNS STEP [STEP ...]
+# STEP: models (transformers models end to end, fresh database, shipped records),
+#       tests (the GPU tests of the call path, kernels, compile and timer),
+#       tune (tools/gpu_check_tune.sh), recipe:FILE:SECONDS (tune a recipe into $OUT/recipe.sqlite3).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+logs=${OUT:-/tmp/out}/logs
+mkdir -p "$logs"
+patterns=$1; shift
+if ! python3 -c "import sparktune._C" 2>/dev/null || ! python3 -c "import optuna" 2>/dev/null; then
+  . tools/device_prep.sh "$patterns" > "$logs/prep.log" 2>&1; tail -2 "$logs/prep.log"
+fi
+export PYTHONPATH=/tmp/site:$PWD
+rc=0
+for step in "$@"; do
+  t0=$(date +%s)
+  case $step in
+    models)
+      SPARKTUNE_DB=/tmp/fresh-$$.sqlite3 timeout 330 python3 -m sparktune.benchmark.models --json \
+        > "$logs/models.json" 2> "$logs/models.err" || rc=1 ;;
+    tests)
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_host_overhead.py tests/test_torch_backend.py \
+        tests/test_spark_bwd.py tests/test_compile.py tests/test_spark.py tests/test_tune_check.py \
+        tests/test_integration_transformers.py > "$logs/tests.log" 2>&1 || rc=1
+      tail -3 "$logs/tests.log" ;;
+    tune)
+      OUT=$logs timeout 330 tools/gpu_check_tune.sh > "$logs/tune.log" 2>&1 || rc=1
+      grep -E "wall time|targets|exhaustive run" "$logs/tune.log" ;;
+    recipe:*)
+      IFS=: read -r _ file secs <<< "$step"
+      timeout "$secs" python3 -m sparktune tune --recipe "$file" --no-leases --no-progress \
+        --db "${OUT:-/tmp/out}/recipe.sqlite3" > "$logs/recipe.log" 2>&1 || true ;;
+  esac
+  echo "$step: $(( $(date +%s) - t0 )) s"
+done
+tar czf "${OUT:-/tmp/out}/logs.tgz" -C "$(dirname "$logs")" logs && rm -rf "$logs"
+exit $rc
