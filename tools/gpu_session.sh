@@ -4,7 +4,8 @@
 #   tools/gpu_session.sh KERNEL_PATTERNS STEP [STEP ...]
 # STEP: models (transformers models end to end, fresh database, shipped records),
 #       tests (the GPU tests of the call path, kernels, compile and timer),
-#       tune (tools/gpu_check_tune.sh), recipe:FILE:SECONDS (tune a recipe into $OUT/recipe.sqlite3).
+#       tune (tools/gpu_check_tune.sh), recipe:FILE:SECONDS (tune a recipe into $OUT/recipe.sqlite3),
+#       kernels (bench/model_kernels.py: the kernels of one llama step, sparktune against sdpa).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -23,13 +24,18 @@ for step in "$@"; do
       SPARKTUNE_DB=/tmp/fresh-$$.sqlite3 timeout 330 python3 -m sparktune.benchmark.models --json \
         > "$logs/models.json" 2> "$logs/models.err" || rc=1 ;;
     tests)
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_host_overhead.py tests/test_torch_backend.py \
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_host_overhead.py tests/test_torch_backend.py \
         tests/test_spark_bwd.py tests/test_compile.py tests/test_spark.py tests/test_tune_check.py \
         tests/test_integration_transformers.py > "$logs/tests.log" 2>&1 || rc=1
       tail -3 "$logs/tests.log" ;;
     tune)
-      OUT=$logs timeout 330 tools/gpu_check_tune.sh > "$logs/tune.log" 2>&1 || rc=1
+      OUT=$logs timeout 260 tools/gpu_check_tune.sh > "$logs/tune.log" 2>&1 || rc=1
       grep -E "wall time|targets|exhaustive run" "$logs/tune.log" ;;
+    kernels)
+      for mode in prefill train; do
+        timeout 60 python3 bench/model_kernels.py --preset llama --mode $mode --seqlen 2048 >> "$logs/kernels.log" 2>&1
+      done
+      head -12 "$logs/kernels.log" ;;
     recipe:*)
       IFS=: read -r _ file secs <<< "$step"
       timeout "$secs" python3 -m sparktune tune --recipe "$file" --no-leases --no-progress \

@@ -17,7 +17,9 @@ Semantics that differ from sparktune's and how they are bridged:
 - GQA: ``enable_gqa=True`` on "auto", "flash" and "math" with torch >= 2.5; otherwise k and v
   are expanded with ``repeat_interleave`` (a copy of k and v, inside the timed call).
 - The fused kernels read 16-byte vectors: an input whose pointer or strides are not 16-byte
-  aligned (e.g. a slice starting mid-row) is copied first for "flash", "cudnn" and "efficient".
+  aligned (e.g. a slice starting mid-row) is copied first for "flash", "cudnn", "efficient"
+  and "auto" (SDPA's own choice was seen on an H200 to give wrong output, and then a
+  misaligned-address fault, for a view starting one element into its storage).
 - The log-sum-exp comes from torch's private SDPA ops that return it ("flash", "cudnn",
   "efficient", when no mask is needed; "auto" takes the first of flash and efficient that
   can run the call, since SDPA's public call returns none); otherwise it is
@@ -195,7 +197,7 @@ def _prepare(
     config: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inputs as the fused kernels can read them: misaligned ones copied (not for math)."""
-    if config in ("math", AUTO) or (_aligned(q) and _aligned(k) and _aligned(v)):
+    if config == "math" or (_aligned(q) and _aligned(k) and _aligned(v)):
         return q, k, v
     q, k, v = (
         t if _aligned(t) else t.clone(memory_format=torch.contiguous_format) for t in (q, k, v)
@@ -283,7 +285,7 @@ def _direct_op(
     nq, nk = q.shape[2], k.shape[2]
     group = q.shape[1] // k.shape[1]
     if config == AUTO:
-        return _auto_op(q, k, causal, scale, need_lse)
+        return _auto_op(q, k, v, causal, scale, need_lse, general)
     if config == "math" or (causal and nq != nk) or not _strides_aligned(q, k, v):
         return None
     if group > 1 and config != "flash":  # only flash reads grouped k/v as they are
@@ -346,27 +348,32 @@ def _borrowable(config: str, q: torch.Tensor, k: torch.Tensor, causal: bool) -> 
 
 
 def _auto_op(
-    q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, need_lse: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    need_lse: bool,
+    general: Any,
 ) -> Any:
     """``f(q, k, v) -> (out, None)``: the call a user makes, for the problems where it is all
-    that "auto" runs (no log-sum-exp, no mask, no rows to zero); None elsewhere."""
+    that "auto" runs (no log-sum-exp, no mask, no rows to zero, 16-byte aligned strides);
+    None elsewhere. Inputs whose data pointer is not 16-byte aligned go to ``general``."""
     nq, nk = q.shape[2], k.shape[2]
-    if need_lse or (causal and nq != nk):
+    if need_lse or (causal and nq != nk) or not _strides_aligned(q, k, v):
+        return None
+    if q.shape[1] != k.shape[1] and _torch_version() < GQA_MIN_TORCH:
         return None
     sdpa = F.scaled_dot_product_attention
-    causal = bool(causal)
-    scale = float(scale)
+    kwargs: dict[str, Any] = {"is_causal": bool(causal), "scale": float(scale)}
     if q.shape[1] != k.shape[1]:
-        if _torch_version() < GQA_MIN_TORCH:
-            return None
-
-        def run_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
-            return sdpa(q, k, v, is_causal=causal, scale=scale, enable_gqa=True), None
-
-        return run_gqa
+        kwargs["enable_gqa"] = True
+    misaligned = _ALIGN_BYTES - 1
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
-        return sdpa(q, k, v, is_causal=causal, scale=scale), None
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & misaligned:
+            return general(q, k, v)
+        return sdpa(q, k, v, **kwargs), None
 
     return run
 
