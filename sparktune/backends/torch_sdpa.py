@@ -21,8 +21,10 @@ Semantics that differ from sparktune's and how they are bridged:
   and "auto" (SDPA's own choice was seen on an H200 to give wrong output, and then a
   misaligned-address fault, for a view starting one element into its storage).
 - The log-sum-exp comes from torch's private SDPA ops that return it ("flash", "cudnn",
-  "efficient", when no mask is needed; "auto" takes the first of flash and efficient that
-  can run the call, since SDPA's public call returns none); otherwise it is
+  "efficient", when no mask is needed; "auto" keeps the output of SDPA's own choice and takes
+  the log-sum-exp from the first of flash and efficient that can run the call, since SDPA's
+  public call returns none: a second pass, only when a log-sum-exp is asked for); otherwise it
+  is
   computed separately in float32 by :func:`~sparktune.backends.reference.reference_lse`
   (an extra pass over Q·K^T). With ``need_lse=False`` none of this is done.
 - Backward recomputes the forward with the same SDPA backend under autograd.
@@ -607,17 +609,22 @@ class TorchSDPABackend(Backend):
         fused = None
         if need_lse and config != AUTO:
             fused = self._sdpa_with_lse(config, q, k, v, causal, scale)
-        elif need_lse and q.is_cuda:  # from the first fused kernel that runs these tensors
-            for c in _AUTO_LSE_CONFIGS:
-                if _borrowable(c, q, k, causal):
-                    fused = self._sdpa_with_lse(c, q, k, v, causal, scale)
-                    if fused is not None:
-                        break
         if fused is not None:
             o, lse = fused
         else:
             o = self._sdpa(config, q, k, v, causal, scale)
-            lse = reference_lse(q, k, causal, scale, torch.float32) if need_lse else None
+            lse = None
+            if need_lse and config == AUTO and q.is_cuda:
+                # the output stays SDPA's own choice (the same bits as without the lse); the
+                # lse comes from the first fused kernel that runs these tensors
+                for c in _AUTO_LSE_CONFIGS:
+                    if _borrowable(c, q, k, causal):
+                        fused = self._sdpa_with_lse(c, q, k, v, causal, scale)
+                        if fused is not None:
+                            lse = fused[1]
+                            break
+            if need_lse and lse is None:
+                lse = reference_lse(q, k, causal, scale, torch.float32)
         if causal:
             nq, nk = q.shape[2], k.shape[2]
             if nq > nk:  # rows that see no key (their lse is already -inf)
