@@ -179,10 +179,10 @@ def test_grouped_kv_reaches_sparktune_without_repeat(monkeypatch):
         model(input_ids=ids, use_cache=False)
     assert len(calls) == 2
     for call in calls:
-        # (B, N, H, D) views: 4 query heads, 2 key/value heads, not repeated
-        assert call["q"] == (2, 12, 4, 16)
-        assert call["k"] == call["v"] == (2, 12, 2, 16)
-        assert call["layout"] == "bnhd"
+        # (B, H, N, D) as transformers gives them: 4 query heads, 2 key/value heads, not repeated
+        assert call["q"] == (2, 4, 12, 16)
+        assert call["k"] == call["v"] == (2, 2, 12, 16)
+        assert call.get("layout", "bhnd") == "bhnd"
         assert call["causal"] is True
         assert call["scale"] == pytest.approx(16**-0.5)
 

@@ -13,10 +13,9 @@ Importing ``sparktune`` itself never imports transformers.
 
 **What runs on sparktune.** transformers hands the attention function q, k and v as
 (B, H, N, D) tensors, grouped-query K/V not repeated. They go to :func:`sparktune.attention`
-as they are, seen as (B, N, H, D) (``layout="bnhd"``, views, no copies): K/V heads stay
-grouped (``heads_kv < heads_q``), and the output comes back as (B, N, H, D), contiguous, which
-is what transformers' own ``sdpa`` function returns and what the model reshapes next. The
-attention weights returned are None.
+as they are (no views, no copies): K/V heads stay grouped (``heads_kv < heads_q``), and the
+output is returned as (B, N, H, D), contiguous, made as transformers' own ``sdpa`` function
+makes it, which is what the model reshapes next. The attention weights returned are None.
 
 - No mask (the mask function skipped it), as transformers' ``sdpa`` function reads it: causal
   when the layer is causal and there is more than one query; keys past the queries are
@@ -279,18 +278,19 @@ def attention_forward(
         if causal and nk > nq:
             k, v = key[:, :, :nq], value[:, :, :nq]
     if problem is None:
-        q, k, v = query.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # (B, H, N, D) as transformers gives them, and its (B, N, H, D) contiguous output as
+        # its sdpa function makes it: no views or copies beyond what that function does
         if torch.compiler.is_compiling():  # checked while tracing; nothing to catch here
-            out = sparktune.attention(q, k, v, causal=causal, scale=scaling, layout="bnhd")
+            out = sparktune.attention(query, k, v, causal=causal, scale=scaling)
             _note(NAME)
-            return out, None
+            return out.transpose(1, 2).contiguous(), None
         try:
-            out = sparktune.attention(q, k, v, causal=causal, scale=scaling, layout="bnhd")
+            out = sparktune.attention(query, k, v, causal=causal, scale=scaling)
         except (TypeError, ValueError) as exc:  # NoKernelError is a ValueError
             problem = "rejected", str(exc).splitlines()[0]
         else:
             _note(NAME)
-            return out, None
+            return out.transpose(1, 2).contiguous(), None
     reason, detail = problem
     _note(reason, detail)
     return sdpa_attention_forward(
