@@ -289,3 +289,12 @@ def test_the_burst_floor_is_stored_apart_from_the_runs(store):
     resumed = {m.candidate.config: m for m in again.measurements}
     assert resumed["fast"].timing == next(m for m in result.measurements if m.candidate.config == "fast").timing
     assert resumed["fast"].timing.floor_ms == pytest.approx(fast.floor_ms)
+
+
+def test_a_study_says_where_its_time_went(store):
+    result = _tuner(store).tune(problem(**SMALL))
+    phases = result.phases_s
+    assert {"check", "inputs", "timing", "baseline", "warmup"} <= set(phases)
+    assert all(v >= 0 for v in phases.values())
+    assert sum(phases.values()) <= result.wall_s + 1e-6
+    assert result.to_json()["phases_s"].keys() == phases.keys()

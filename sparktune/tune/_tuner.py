@@ -127,6 +127,9 @@ class TuneResult:
     excluded: dict[str, list[str]] = field(default_factory=dict)
     #: why the study stopped before its budget ("" when it did not)
     stopped: str = ""
+    #: wall seconds spent per phase of the study (warmup, check, inputs, timing, baseline;
+    #: the finalists' full timings count under inputs and timing): where a study's time goes
+    phases_s: dict[str, float] = field(default_factory=dict)
 
     def ranked(self) -> list[Measurement]:
         """Timed candidates, fastest first: those with full timings, then those left with a
@@ -186,6 +189,7 @@ class TuneResult:
             "study": self.study_name,
             "trials": self.trials,
             "wall_s": round(self.wall_s, 3),
+            "phases_s": {k: round(v, 3) for k, v in self.phases_s.items()},
             "stopped": self.stopped,
             "baseline_sdpa_ms": self.baseline.median_ms if self.baseline else None,
             "best": entry(best) if best else None,
@@ -391,6 +395,8 @@ class Tuner:
         self.run = run
         #: store each trial in ``storage`` as it ends (else the study, when it ends)
         self.live_storage = live_storage
+        #: the phases of the study being run (its TuneResult.phases_s)
+        self._phases: dict[str, float] = {}
 
     # ------------------------------------------------------------------ planning
 
@@ -496,6 +502,7 @@ class Tuner:
         backend = _registered().get(cand.backend)
         if backend is None:
             return Measurement(cand, "failed", message=f"backend {cand.backend!r} is no longer registered")
+        t0 = time.monotonic()
         try:
             fn, outs = workload.launch(backend, cand, workload.check_inputs(), fill=float("nan"))
             with torch.no_grad():
@@ -508,6 +515,8 @@ class Tuner:
             result = workload.check(outs)
         except Exception as exc:  # noqa: BLE001 - outputs the check cannot even compare
             return Measurement(cand, "failed", message=f"while checking its outputs: {_short(exc)}")
+        finally:
+            self._phase("check", t0)
         if not result.ok:
             return Measurement(cand, "wrong", error=result.error, error_limit=result.limit, message=result.message)
         del outs
@@ -521,10 +530,20 @@ class Tuner:
     def _time(self, workload: Any, backend: Backend, cand: Candidate, trial_number: int, timer: Timer) -> Timing:
         import torch
 
+        t0 = time.monotonic()
         fresh = workload.inputs(self.seed + 1 + trial_number)
         fn, _ = workload.launch(backend, cand, fresh)
+        t0 = self._phase("inputs", t0)
         with torch.no_grad():
-            return timer.measure(fn, candidate=cand, problem=workload.problem)
+            timing = timer.measure(fn, candidate=cand, problem=workload.problem)
+        self._phase("timing", t0)
+        return timing
+
+    def _phase(self, name: str, since: float) -> float:
+        """Add the wall time since ``since`` to phase ``name`` of the current study; now."""
+        now = time.monotonic()
+        self._phases[name] = self._phases.get(name, 0.0) + now - since
+        return now
 
     def _finalists(self, workload: Any, result: TuneResult) -> None:
         """Full timings for the finalists of a screening (see the module's docstring), in
@@ -591,6 +610,7 @@ class Tuner:
 
         start = time.monotonic()
         result = TuneResult(problem, self.device, build_id())
+        self._phases = result.phases_s
         order, mode, planned, n_seeds, result.excluded = self._plan(problem)
         result.mode = mode
         if not order:
@@ -626,7 +646,9 @@ class Tuner:
             if c.label not in measured and c.label not in queued:
                 study.enqueue_trial({"candidate": c.label})
         if mode == "exhaustive":
+            t0 = time.monotonic()
             self._warmup(problem, [c for c in order if c.label not in measured])
+            self._phase("warmup", t0)
         screen = self.screen_timer if planned > SCREEN_ABOVE else None
 
         workload = Workload(problem, self.torch_device, seed=self.seed)
@@ -671,7 +693,9 @@ class Tuner:
             if screen is not None:
                 self._finalists(workload, result)
             if self.baseline and result.ranked():
+                t0 = time.monotonic()
                 result.baseline = self._baseline(workload)
+                self._phase("baseline", t0)
         finally:  # what was measured is stored even when tuning stops on an error
             result.trials = asks
             self._save(result)
