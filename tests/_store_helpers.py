@@ -81,7 +81,7 @@ class ServerClock:
     def __init__(self, monkeypatch, start: float = 1_000_000.0) -> None:
         import sys
 
-        from sparktune.db import LeaseBoard
+        from sparktune.tune import LeaseBoard
 
         self.now = start
         monkeypatch.setattr(sys.modules[LeaseBoard.__module__], "server_time", lambda conn: self.now)

@@ -75,7 +75,7 @@ def test_show_by_key_and_filters(path, capsys):
 
 
 def test_show_prints_only_what_was_measured(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv(db.ENV_SHIPPED, "")
+    monkeypatch.setenv(dispatch.ENV_SHIPPED, "")
     path = tmp_path / "floor.sqlite3"
     with Store(path) as s:
         s.add([
