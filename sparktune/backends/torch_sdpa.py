@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..dtypes import DTYPE_NAMES
 from ..problem import DTYPES, DeviceInfo, Problem
 from .base import Backend
 from .reference import causal_visible, reference_lse
@@ -281,15 +282,16 @@ def _direct_op(
     need_lse: bool,
     general: Any,
 ) -> Any:
-    """``f(q, k, v) -> (out, lse)`` calling the private op of ``config`` directly, for the
-    problems where SDPA hands its inputs to that op unchanged; None elsewhere. Inputs whose
-    data pointer is not 16-byte aligned go to ``general``."""
+    """``f(q, k, v) -> (out, lse)`` calling the private op of ``config`` directly (for
+    "auto", SDPA's public call itself), for the problems where SDPA hands its inputs to that
+    op unchanged; None elsewhere. Inputs whose data pointer is not 16-byte aligned go to
+    ``general``."""
     nq, nk = q.shape[2], k.shape[2]
     group = q.shape[1] // k.shape[1]
-    if config == AUTO:
-        return _auto_op(q, k, v, causal, scale, need_lse, general)
     if config == "math" or (causal and nq != nk) or not _strides_aligned(q, k, v):
         return None
+    if config == AUTO:
+        return _auto_op(group, causal, scale, need_lse, general)
     if group > 1 and config != "flash":  # only flash reads grouped k/v as they are
         return None
     op = getattr(torch, _LSE_OPS[config], None)
@@ -340,8 +342,8 @@ def _borrowable(config: str, q: torch.Tensor, k: torch.Tensor, causal: bool) -> 
     """Whether "auto" may take its log-sum-exp from ``config``'s private op for these CUDA
     tensors: the config's own rules (:func:`_reasons`) for their problem."""
     b, hq, nq, d = q.shape
-    dtype = str(q.dtype).removeprefix("torch.")
-    if dtype not in DTYPES:
+    dtype = DTYPE_NAMES.get(q.dtype)
+    if dtype is None:
         return False
     problem = Problem("fwd", dtype, b, hq, k.shape[1], nq, k.shape[2], d, bool(causal))
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
@@ -349,26 +351,14 @@ def _borrowable(config: str, q: torch.Tensor, k: torch.Tensor, causal: bool) -> 
     return not _reasons(problem, config, device)
 
 
-def _auto_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    scale: float,
-    need_lse: bool,
-    general: Any,
-) -> Any:
-    """``f(q, k, v) -> (out, None)``: the call a user makes, for the problems where it is all
-    that "auto" runs (no log-sum-exp, no mask, no rows to zero, 16-byte aligned strides);
-    None elsewhere. Inputs whose data pointer is not 16-byte aligned go to ``general``."""
-    nq, nk = q.shape[2], k.shape[2]
-    if need_lse or (causal and nq != nk) or not _strides_aligned(q, k, v):
-        return None
-    if q.shape[1] != k.shape[1] and _torch_version() < GQA_MIN_TORCH:
+def _auto_op(group: int, causal: bool, scale: float, need_lse: bool, general: Any) -> Any:
+    """:func:`_direct_op` for "auto", past its checks of the mask and the strides: the call a
+    user makes, where it is all that "auto" runs (no log-sum-exp); None elsewhere."""
+    if need_lse or (group > 1 and _torch_version() < GQA_MIN_TORCH):
         return None
     sdpa = F.scaled_dot_product_attention
     kwargs: dict[str, Any] = {"is_causal": bool(causal), "scale": float(scale)}
-    if q.shape[1] != k.shape[1]:
+    if group > 1:
         kwargs["enable_gqa"] = True
     misaligned = _ALIGN_BYTES - 1
 

@@ -245,6 +245,10 @@ def _screening(timer: CudaEventTimer) -> CudaEventTimer:
     )
 
 
+def _tflops(problem: Problem, timing: Timing) -> float:
+    return problem.flops() / (timing.median_ms * 1e-3) / 1e12
+
+
 def _short(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}".strip()
     return text if len(text) <= _MAX_MESSAGE else text[: _MAX_MESSAGE - 3] + "..."
@@ -524,8 +528,9 @@ class Tuner:
             timing = self._time(workload, backend, cand, trial_number, timer or self.timer)
         except Exception as exc:  # noqa: BLE001
             return Measurement(cand, "failed", error=result.error, error_limit=result.limit, message=f"while timing: {_short(exc)}")
-        tflops = workload.problem.flops() / (timing.median_ms * 1e-3) / 1e12
-        return Measurement(cand, "ok", timing, tflops, result.error, result.limit, screened=timer is not None)
+        return Measurement(
+            cand, "ok", timing, _tflops(workload.problem, timing), result.error, result.limit, screened=timer is not None
+        )
 
     def _time(self, workload: Any, backend: Backend, cand: Candidate, trial_number: int, timer: Timer) -> Timing:
         import torch
@@ -556,7 +561,7 @@ class Tuner:
                 if backend is None:
                     raise RuntimeError(f"backend {m.candidate.backend!r} is no longer registered")
                 m.timing = self._time(workload, backend, m.candidate, m.trial or 0, self.timer)
-                m.tflops = workload.problem.flops() / (m.timing.median_ms * 1e-3) / 1e12
+                m.tflops = _tflops(workload.problem, m.timing)
             except Exception as exc:  # noqa: BLE001 - a failing candidate is a result
                 m.status, m.timing, m.tflops = "failed", None, None
                 m.message = f"while timing: {_short(exc)}"
