@@ -55,13 +55,14 @@ from typing import Any
 
 import torch
 
+from ..dtypes import TORCH_DTYPES
+
 __all__ = ["PRESETS", "Preset", "CaseResult", "ImplResult", "main", "run_case"]
 
 #: the two implementations compared, sparktune's first
 IMPLEMENTATIONS = ("sparktune", "sdpa")
 MODES = ("train", "prefill")
 DEFAULT_SEQLENS = (2048, 8192, 16384)
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -588,7 +589,7 @@ def _parser() -> argparse.ArgumentParser:
         help="train: forward, loss, backward; prefill: inference forward filling a cache",
     )
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(TORCH_DTYPES))
     p.add_argument("--layers", type=int, default=None, help="override the presets' layer count")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
     p.add_argument(
@@ -656,7 +657,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     hf.register()
     device = torch.device(args.device)
-    dtype = DTYPES[args.dtype]
+    dtype = TORCH_DTYPES[args.dtype]
     clock = _Clock(device)
     timer = None if args.no_attention_timing else _AttentionTimer(clock)
     cases: list[CaseResult] = []

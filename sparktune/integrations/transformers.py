@@ -60,6 +60,7 @@ import transformers
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import sparktune
+from sparktune.dtypes import DTYPE_NAMES
 
 try:  # the mask functions and their interface (transformers 4.53 and later)
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -101,8 +102,6 @@ FALLBACK_REASONS: dict[str, str] = {
 
 #: torch.export is tracing (False on a torch without the question)
 _is_exporting: Callable[[], bool] = getattr(torch.compiler, "is_exporting", lambda: False)
-#: sparktune.attention's input dtypes
-_DTYPES = (torch.float16, torch.bfloat16)
 
 _counts: dict[str, int] = {}
 _logged: set[str] = set()
@@ -228,7 +227,7 @@ def _unsupported(
         return "output_attentions", ""
     if kwargs.get("position_bias") is not None:
         return "position_bias", ""
-    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in _DTYPES:
+    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in DTYPE_NAMES:
         return "dtype", str(query.dtype).removeprefix("torch.")
     if (
         query.dim() != 4
