@@ -456,3 +456,46 @@ def test_compiles_offline_within_the_estimate(op, config, arch):
     for k in kernels:
         assert 0 < k["shared"] <= estimate, k
         assert k["regs"] is None or k["regs"] <= 255, k
+
+
+def test_warmup_jobs_compile_in_workers_only_after_a_cache_miss(monkeypatch):
+    """Jobs run in this process while they load from Triton's cache; from the first one that
+    compiles, the rest go to the worker pool (and are then loaded here)."""
+    import concurrent.futures
+    import types
+
+    tb = importlib.import_module("sparktune.backends.triton")
+    here, pooled = [], []
+    slow = {"b"}
+    clock = [0.0]
+
+    def one(p, c):
+        here.append(c)
+        clock[0] += 1.0 if c in slow and c not in pooled else 0.01
+        return c, 0.0, None
+
+    def pool_one(p, c):
+        pooled.append(c)
+        return c, 1.0, None
+
+    class FakePool:
+        def submit(self, fn, p, c):
+            fut = concurrent.futures.Future()
+            fut.set_result(pool_one(p, c))
+            return fut
+
+    monkeypatch.setattr(tb, "_kernels", lambda: types.SimpleNamespace(INTERPRET=False))
+    monkeypatch.setattr(tb, "_warmup_one", one)
+    monkeypatch.setattr(tb, "_workers", lambda n: FakePool())
+    monkeypatch.setattr(tb.time, "monotonic", lambda: clock[0])
+    p = Problem(op="fwd", dtype="float16", batch=1, heads_q=2, heads_kv=2, seqlen_q=64,
+                seqlen_k=64, head_dim=64, causal=False)
+    jobs = [(p, c) for c in ("a", "b", "c", "d")]
+    out = tb.warmup_jobs(jobs, processes=4)
+    assert pooled == ["c", "d"]  # "a" was a cache hit, "b" compiled here: the rest in workers
+    assert here == ["a", "b", "c", "d"]  # the pooled ones loaded here afterwards
+    assert set(out) == {f"{c} float16 d64 causal=0" for c in "abcd"}
+    # one process: everything here, no pool
+    here.clear(), pooled.clear()
+    tb.warmup_jobs(jobs, processes=1)
+    assert pooled == [] and here == ["a", "b", "c", "d"]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine without network: install the carried wheels (.whl/) into /tmp/site and build
 # sparktune._C in place for the local GPU. Source it:  . tools/device_prep.sh 'KERNEL_PATTERNS'
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export CUTLASS_INCLUDE=/tmp/site/cutlass_library/source/include
 export PYBIND11_DIR=$(python3 -m pybind11 --cmakedir)

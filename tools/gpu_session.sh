@@ -5,7 +5,10 @@
 # STEP: models (transformers models end to end, fresh database, shipped records),
 #       tests (the GPU tests of the call path, kernels, compile and timer),
 #       tune (tools/gpu_check_tune.sh), recipe:FILE:SECONDS (tune a recipe into $OUT/recipe.sqlite3),
-#       kernels (bench/model_kernels.py: the kernels of one llama step, sparktune against sdpa).
+#       kernels (bench/model_kernels.py: the kernels of one llama step, sparktune against sdpa),
+#       profile (bench/model_profile.py: host time of a llama step at 2k, train and prefill),
+#       tuneprof (sparktune tune --seqlen 8192 --heads 12 --json, cold then warm Triton cache),
+#       models2k (the models at 2k tokens, 8 rounds, with and without the attention timing).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -24,7 +27,7 @@ for step in "$@"; do
       SPARKTUNE_DB=/tmp/fresh-$$.sqlite3 timeout 330 python3 -m sparktune.benchmark.models --json \
         > "$logs/models.json" 2> "$logs/models.err" || rc=1 ;;
     tests)
-      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_host_overhead.py tests/test_torch_backend.py \
+      timeout 330 python3 -m pytest -q -p no:cacheprovider tests/test_host_overhead.py tests/test_torch_backend.py \
         tests/test_spark_bwd.py tests/test_compile.py tests/test_spark.py tests/test_tune_check.py \
         tests/test_integration_transformers.py > "$logs/tests.log" 2>&1 || rc=1
       tail -3 "$logs/tests.log" ;;
@@ -36,6 +39,28 @@ for step in "$@"; do
         timeout 60 python3 bench/model_kernels.py --preset llama --mode $mode --seqlen 2048 >> "$logs/kernels.log" 2>&1
       done
       head -12 "$logs/kernels.log" ;;
+    profile)
+      for mode in train prefill; do
+        timeout 120 python3 bench/model_profile.py --preset llama --mode $mode --seqlen 2048 >> "$logs/profile.log" 2>&1
+      done
+      grep -E "host .* ms to issue" "$logs/profile.log" ;;
+    tuneprof)
+      export SPARKTUNE_SHIPPED_DB=""
+      python3 -c "import time; t=time.time(); import torch; from sparktune.backends import torch_sdpa as m; t1=time.time(); m._lse_op('flash'); print(f'import {t1-t:.2f} s, _lse_op(flash) {time.time()-t1:.2f} s')" | tee "$logs/tuneprof.log"
+      for run in cold warm; do
+        t1=$(date +%s.%N)
+        timeout 150 python3 -m sparktune tune --seqlen 8192 --heads 12 --db /tmp/tp-$run-$$.sqlite3 --no-progress --json \
+          > "$logs/tune-$run.json" 2> "$logs/tune-$run.err"
+        echo "tune $run wall: $(python3 -c "import time; print(round(time.time() - $t1, 1))") s" | tee -a "$logs/tuneprof.log"
+        python3 -c "import json,sys; [print(' ', r['key'], r['mode'], r.get('wall_s'), r['phases_s'], r['best']['candidate']) for r in json.load(open(sys.argv[1]))['results']]" "$logs/tune-$run.json" | tee -a "$logs/tuneprof.log"
+      done
+      unset SPARKTUNE_SHIPPED_DB ;;
+    models2k)
+      for extra in "" "--no-attention-timing"; do
+        SPARKTUNE_DB=/tmp/fresh-$$.sqlite3 timeout 200 python3 -m sparktune.benchmark.models --seqlen 2048 --rounds 8 $extra \
+          >> "$logs/models2k.log" 2>&1 || rc=1
+      done
+      grep -E "^(llama|gpt2)|eomet" "$logs/models2k.log" ;;
     recipe:*)
       IFS=: read -r _ file secs <<< "$step"
       timeout "$secs" python3 -m sparktune tune --recipe "$file" --no-leases --no-progress \

@@ -15,11 +15,13 @@ kernels were first imported (tests only: it is slow).
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import functools
 import logging
 import multiprocessing
 import os
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -217,12 +219,38 @@ def _warmup_one(problem: Problem, config: str) -> tuple[str, float | None, str |
         return config, None, f"{type(exc).__name__}: {exc}"
 
 
+#: a compilation (or load) in this process shorter than this came from Triton's caches
+CACHE_HIT_S = 0.5
+
+_pool: concurrent.futures.ProcessPoolExecutor | None = None
+_pool_size = 0
+
+
+def _workers(processes: int) -> concurrent.futures.ProcessPoolExecutor:
+    """The compile workers, started once per process and kept (their start, an import of
+    torch and Triton each, costs seconds; a run that tunes several problems pays it once)."""
+    global _pool, _pool_size
+    if _pool is None or _pool_size != processes:
+        if _pool is not None:
+            _pool.shutdown(wait=False, cancel_futures=True)
+        ctx = multiprocessing.get_context("spawn")
+        _pool = concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx)
+        _pool_size = processes
+        atexit.register(_pool.shutdown, wait=False, cancel_futures=True)
+    return _pool
+
+
 def warmup_jobs(
     jobs: Sequence[tuple[Problem, str]], *, processes: int = 1
 ) -> dict[str, float]:
     """Compile each (problem, config) pair; see :meth:`TritonBackend.warmup`. The result maps
     ``"<config> <dtype> d<head_dim> causal=<0|1>"`` to compile seconds (in the workers when
-    ``processes > 1``)."""
+    they compiled it).
+
+    Jobs run in this process while each takes less than :data:`CACHE_HIT_S` (they come from
+    Triton's on-disk cache: a second tuning run, or a new sequence length of a shape already
+    compiled). At the first that takes longer, and ``processes > 1``, the rest go to that many
+    worker processes, which fill the on-disk cache; this process then loads from it."""
     kernels = _kernels()
     if kernels.INTERPRET or not jobs:
         return {}
@@ -231,26 +259,32 @@ def warmup_jobs(
         return f"{c} {p.dtype} d{p.head_dim} causal={int(p.causal)}"
 
     results: dict[str, float] = {}
-    if processes > 1:
-        ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx) as pool:
-            futures = {pool.submit(_warmup_one, p, c): (p, c) for p, c in jobs}
-            for fut in concurrent.futures.as_completed(futures):
-                p, c = futures[fut]
-                try:
-                    _, seconds, error = fut.result()
-                except Exception as exc:  # noqa: BLE001 - a dead worker is reported, not fatal
-                    seconds, error = None, f"{type(exc).__name__}: {exc}"
-                if error is not None:
-                    log.warning("triton: warmup of %s failed: %s", key(p, c), error)
-                else:
-                    results[key(p, c)] = seconds or 0.0
-    # in this process: loads what the workers compiled (or compiles, with processes <= 1)
-    for p, c in jobs:
+    left = list(jobs)
+    while left:
+        p, c = left[0]
+        t0 = time.monotonic()
         _, seconds, error = _warmup_one(p, c)
+        left.pop(0)
         if error is not None:
-            if processes <= 1:
-                log.warning("triton: warmup of %s failed: %s", key(p, c), error)
-        elif processes <= 1:
+            log.warning("triton: warmup of %s failed: %s", key(p, c), error)
+        else:
             results[key(p, c)] = seconds or 0.0
+        if processes > 1 and time.monotonic() - t0 >= CACHE_HIT_S:
+            break  # compiling, not loading: the rest in parallel
+    if left:
+        pool = _workers(processes)
+        futures = {pool.submit(_warmup_one, p, c): (p, c) for p, c in left}
+        for fut in concurrent.futures.as_completed(futures):
+            p, c = futures[fut]
+            try:
+                _, seconds, error = fut.result()
+            except Exception as exc:  # noqa: BLE001 - a dead worker is reported, not fatal
+                seconds, error = None, f"{type(exc).__name__}: {exc}"
+            if error is not None:
+                log.warning("triton: warmup of %s failed: %s", key(p, c), error)
+            else:
+                results[key(p, c)] = seconds or 0.0
+        # in this process: loads what the workers compiled
+        for p, c in left:
+            _warmup_one(p, c)
     return results

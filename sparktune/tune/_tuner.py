@@ -394,7 +394,7 @@ class Tuner:
         self.seed = seed
         self.baseline = baseline
         self.progress = progress
-        self.warmup_processes = warmup_processes if warmup_processes is not None else max(1, (os.cpu_count() or 2) // 2)
+        self.warmup_processes = warmup_processes if warmup_processes is not None else max(1, os.cpu_count() or 1)
         #: the name of a distributed run: its studies are its own (a new run measures anew)
         self.run = run
         #: store each trial in ``storage`` as it ends (else the study, when it ends)
