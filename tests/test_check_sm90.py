@@ -47,3 +47,20 @@ def test_one_sm90_kernel_compiles_without_spills():
     assert lines[-1] == "1 passed, 0 failed", res.stdout
     assert lines[0].startswith(check.DEFAULT) and "spill=0/0" in lines[0]
     assert "wgmma=0 " not in lines[0]
+
+
+def test_spark_says_sm90a_runs_on_sm90_only():
+    from sparktune.backends.spark import SparkBackend, _tma_refuses
+    from sparktune.problem import DeviceInfo, Problem
+
+    k = {"name": "fwd_sm90_f16_d128_m128n128_s2", "op": "fwd", "family": 90, "dtype": "float16",
+         "head_dim": 128, "accum": 32, "min_arch": 90, "archs": [90], "smem_bytes": 164992}
+    p = Problem("fwd", "float16", 1, 2, 2, 16, 16, 128, False)
+    b = SparkBackend()
+    assert b._config_reasons(p, k, DeviceInfo("h100", (9, 0), 132)) == []
+    for cap in ((10, 0), (8, 0)):
+        reasons = b._config_reasons(p, k, DeviceInfo("other", cap, 1))
+        assert len(reasons) == 1 and "sm_90 (Hopper) only" in reasons[0]
+    assert _tma_refuses(k["name"], [(16, 8, 128)] * 3 + [(0, 8, 128)])
+    assert not _tma_refuses(k["name"], [(16, 8, 128)] * 4)
+    assert not _tma_refuses("fwd_sm80_f16_d128_m128n64_w4x1_acc32_preg", [(0, 8, 128)] * 4)
