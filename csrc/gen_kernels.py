@@ -1,7 +1,7 @@
 """Generate one .cu per valid configuration (forward and backward) plus the registration unit.
 
 Usage: gen_kernels.py --out DIR --nvcc NVCC --include DIR [--include DIR ...]
-                      [--filter PATTERNS] [--families 70,80] [--space FILE]
+                      [--filter PATTERNS] [--families 70,80,90] [--space FILE]
 
 The entries come from the declared space, ``sparktune/kernels/kernel_space.py`` (``--space``),
 read from its file: CMake runs this generator with a Python that need not have sparktune's
@@ -9,8 +9,8 @@ dependencies, and the space module needs only the standard library.
 
 Validity comes from the C++ rules (fwd_config.h, bwd_config.h): a small host program built from
 them prints, for every selected entry, whether it can work and why not. Each entry type names
-its launch header and registration template. Writes DIR/family70.txt and DIR/family80.txt (the
-.cu files of each family, one per line), DIR/register_all.cu and DIR/space.tsv (name, valid,
+its launch header and registration template. Writes DIR/family70.txt, DIR/family80.txt and
+DIR/family90.txt (the .cu files of each family, separated by semicolons), DIR/register_all.cu and DIR/space.tsv (name, valid,
 smem bytes, threads, reason) for reports.
 """
 
@@ -105,7 +105,7 @@ def main() -> int:
     # (the same for every kernel filter): a record of a kernel is good for any build that has it
     table = probe(space, out, args.nvcc, args.include)
 
-    lists: dict[int, list[str]] = {70: [], 80: []}
+    lists: dict[int, list[str]] = {70: [], 80: [], 90: []}
     decls, calls, excluded, report = [], [], [], []
     for e in entries:
         valid, smem, threads, reason = table[e.name]

@@ -32,6 +32,9 @@ extern const char* kBuildSpaceId;
 #ifndef SPARKTUNE_FAMILY80_ARCHS
 #define SPARKTUNE_FAMILY80_ARCHS ""
 #endif
+#ifndef SPARKTUNE_FAMILY90_ARCHS
+#define SPARKTUNE_FAMILY90_ARCHS ""
+#endif
 #ifndef SPARKTUNE_KERNEL_FILTER
 #define SPARKTUNE_KERNEL_FILTER ""
 #endif
@@ -60,7 +63,9 @@ py::dict kernel_dict(const KernelInfo& k) {
   d["smem_bytes"] = k.smem_bytes;
   d["min_arch"] = k.min_arch;
   // the GPUs this kernel has machine code for (its family's build architectures)
-  d["archs"] = parse_archs(k.family == 70 ? SPARKTUNE_FAMILY70_ARCHS : SPARKTUNE_FAMILY80_ARCHS);
+  d["archs"] = parse_archs(k.family == 70   ? SPARKTUNE_FAMILY70_ARCHS
+                           : k.family == 90 ? SPARKTUNE_FAMILY90_ARCHS
+                                            : SPARKTUNE_FAMILY80_ARCHS);
   return d;
 }
 

@@ -48,6 +48,13 @@ def _rows_misaligned(stride: Sequence[int]) -> bool:
     return bool(stride[0] % 8 or stride[1] % 8 or stride[2] % 8)
 
 
+def _tma_refuses(config: str, strides: Sequence[Sequence[int]]) -> bool:
+    """The sm90 kernels read through TMA descriptors, whose batch, head and row strides must be
+    positive (a broadcast view with a zero stride is refused); the 16-byte rule is
+    :func:`_rows_misaligned`'s."""
+    return config.startswith("fwd_sm90_") and any(x <= 0 for st in strides for x in st[:3])
+
+
 def _device_index_for(device: DeviceInfo) -> int | None:
     idx = device.extra.get("index") if device.extra else None
     return int(idx) if idx is not None else None
@@ -133,7 +140,12 @@ class SparkBackend(Backend):
             reasons.append("accumulates in fp16, which the caller did not allow (allow_fp16_accum=False)")
         if device is not None:
             archs = k.get("archs") or (self.build_info() or {}).get("archs", [])
-            if device.arch < k["min_arch"]:
+            if k["family"] == 90 and device.arch != 90:
+                reasons.append(
+                    f"sm_90a code (wgmma, TMA, setmaxnreg) runs on sm_90 (Hopper) only, the GPU "
+                    f"is sm_{device.arch}"
+                )
+            elif device.arch < k["min_arch"]:
                 reasons.append(f"needs sm_{k['min_arch']} or later, the GPU is sm_{device.arch}")
             elif device.arch not in archs:
                 reasons.append(
@@ -241,6 +253,12 @@ class SparkBackend(Backend):
                 )
             ptrs.append(ptr)
             strides.append(st[:3])
+        if _tma_refuses(config, strides):
+            raise ValueError(
+                f"{config} reads through TMA descriptors, which need positive batch, head and row "
+                f"strides (got {[tuple(st) for st in strides]} for q, k, v, out); make the "
+                "inputs contiguous or use another kernel"
+            )
         device = q.device
         # the kernel always writes the log-sum-exp, so it needs the buffer even without need_lse
         lse = torch.empty((b, hq, nq), device=device, dtype=torch.float32)
@@ -287,7 +305,7 @@ class SparkBackend(Backend):
         b, hq, nq, d = q.shape
         hk, nk = k.shape[1], k.shape[2]
         strides = [t.stride() for t in (q, k, v, out)]
-        if any(_rows_misaligned(st) for st in strides):
+        if any(_rows_misaligned(st) for st in strides) or _tma_refuses(config, strides):
             return None  # forward says why
         shape, out_stride = tuple(q.shape), tuple(out.stride())
         dtype, device = q.dtype, q.device

@@ -10,11 +10,14 @@ the C++ it is generated into (``rules_header``, ``launch_header``, ``register_fn
 
 This module needs only the standard library: the generator loads it from its file at build time.
 
-Name fields: ``sm70``/``sm80`` MMA family (mma.m8n8k4 / mma.m16n8k16), dtype, head dim,
+Name fields: ``sm70``/``sm80``/``sm90`` MMA family (mma.m8n8k4 / mma.m16n8k16 / wgmma), dtype, head dim,
 block_m x block_n, warps along M x along N, accumulator bits, softmax policy (``preg``: P stays
 in registers; ``psmem``: S and P go through shared memory). Backward names
 (``bwd_sm80_f16_d128_m128n64_w8x1_acc32``) have the same fields but no softmax policy (P and dS
 always go through shared memory); their warps are the arrangement of the S = Q K^T product.
+Hopper names (``fwd_sm90_f16_d128_m128n128_s2``) have no warp, accumulator or softmax field
+(block_m / 64 consumer warpgroups, fp32 accumulation, P in registers) but the K/V pipeline
+depth ``s``.
 """
 
 from __future__ import annotations
@@ -60,6 +63,38 @@ class FwdEntry:
 
 
 @dataclass(frozen=True)
+class Fwd90Entry:
+    """A Hopper forward configuration (wgmma, TMA, a producer warpgroup and block_m / 64
+    consumer warpgroups): ``fwd_sm90_f16_d128_m128n128_s2``; ``s`` is the depth of the K/V
+    pipeline in shared memory. Compiled for sm_90a: it runs on sm_90 only."""
+
+    rules_header = "sparktune/sm90_fwd_config.h"
+    launch_header = "sparktune/sm90_fwd_launch.h"
+    register_fn = "register_sm90_fwd"
+    family = 90
+
+    dtype: str
+    head_dim: int
+    block_m: int
+    block_n: int
+    stages: int
+
+    @property
+    def name(self) -> str:
+        return (
+            f"fwd_sm90_{self.dtype}_d{self.head_dim}_m{self.block_m}n{self.block_n}"
+            f"_s{self.stages}"
+        )
+
+    @property
+    def config_type(self) -> str:
+        return (
+            f"Sm90FwdConfig<{DTYPES[self.dtype][1]}, {self.head_dim}, {self.block_m}, "
+            f"{self.block_n}, {self.stages}>"
+        )
+
+
+@dataclass(frozen=True)
 class BwdEntry:
     rules_header = "sparktune/bwd_config.h"
     launch_header = "sparktune/bwd_launch.h"
@@ -97,7 +132,7 @@ def _product(family, dtypes, head_dims, tiles, warps, accums, softmaxes):
         yield FwdEntry(family, dt, hd, bm, bn, wm, wn, acc, sm)
 
 
-def forward_space() -> list[FwdEntry]:
+def forward_space() -> list[FwdEntry | Fwd90Entry]:
     """Every declared forward configuration (valid or not; the C++ rules decide)."""
     entries: list[FwdEntry] = []
     # Ampere and later (m16n8k16). Register softmax with all warps along M is FlashAttention-2's
@@ -114,6 +149,12 @@ def forward_space() -> list[FwdEntry]:
     tiles70 = [(64, 32), (64, 64), (128, 32), (128, 64)]
     entries += _product(70, ["f16"], [32, 64, 96, 128], tiles70,
                         [(2, 1), (4, 1), (2, 2)], [32, 16], ["psmem"])
+    # Hopper (wgmma + TMA, sm_90a): (head_dim, block_m, block_n, stages). Two consumer
+    # warpgroups of 64 rows; a deeper K/V pipeline where shared memory allows it.
+    tiles90 = [(64, 128, 128, 2), (64, 128, 128, 3), (64, 128, 176, 2), (128, 128, 128, 2),
+               (128, 128, 64, 3), (256, 128, 64, 2), (256, 128, 80, 2)]
+    entries += [Fwd90Entry(dt, hd, bm, bn, st) for dt in ("f16", "bf16")
+                for hd, bm, bn, st in tiles90]
     names = [e.name for e in entries]
     assert len(names) == len(set(names)), "duplicate configuration names"
     return entries
@@ -149,7 +190,7 @@ def backward_space() -> list[BwdEntry]:
     return entries
 
 
-def full_space() -> list[FwdEntry | BwdEntry]:
+def full_space() -> list[FwdEntry | Fwd90Entry | BwdEntry]:
     """The forward and the backward space: what the generator builds."""
     entries = [*forward_space(), *backward_space()]
     names = [e.name for e in entries]

@@ -1,0 +1,342 @@
+// The Hopper forward kernel: one thread block per (query row block, head, batch).
+//
+// Warpgroup 0 is the producer: it gives most of its registers away (setmaxnreg) and one thread
+// issues the TMA loads, Q once and K/V block by block into a ring of `stages` slots. Each slot
+// has a "full" barrier (the TMA transaction bytes landed) and an "empty" barrier (every consumer
+// warp is done reading it), for K and V separately, so S = Q K^T can start before V arrives.
+// Warpgroups 1.. are consumers of 64 query rows each: S on wgmma from shared memory, the online
+// softmax in registers (base 2), P converted in registers and O += P V on wgmma with P as the
+// register operand. The epilogue divides by the row sums, writes the log-sum-exp, and stores O
+// through shared memory (the consumer's own rows of the Q tile) in 16-byte rows.
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include <cmath>
+
+#include "fragment.h"
+#include "params.h"
+#include "sm90_fwd_traits.h"
+
+namespace sparktune {
+
+using namespace cute;
+
+namespace sm90 {
+
+constexpr float kLn2 = 0.69314718055994530942f;
+
+// A wgmma accumulator fragment ((2 cols, 2 row halves, N/8 col groups), M, N) seen as
+// ((2 row halves, M) rows, (2 cols, N/8 groups, N) cols).
+template <class L>
+CUTE_HOST_DEVICE constexpr auto rowcol_view(L const& l) {
+  static_assert(decltype(rank<0>(l))::value == 3, "expects a wgmma accumulator layout");
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)),
+                     make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
+}
+
+// The same accumulator seen as the register A operand of the next wgmma (k = 16 per
+// instruction): two neighbouring 8-column groups hold the 16 k-columns of one A fragment, so
+// ((2,2,N/8), M, N) becomes ((2,2,2), M, N/16) without moving a register.
+template <class L>
+CUTE_HOST_DEVICE constexpr auto acc_as_operand_a(L const& l) {
+  static_assert(decltype(rank<0>(l))::value == 3, "expects a wgmma accumulator layout");
+  auto groups = logical_divide(get<0, 2>(l), Tile<_2>{});  // ((2, N/16))
+  return make_layout(make_layout(get<0, 0>(l), get<0, 1>(l), get<0, 0>(groups)), get<1>(l),
+                     coalesce(make_layout(get<0, 1>(groups), get<2>(l))));
+}
+
+// acc (+)= A * B over every k-block, issued as one wgmma batch; the caller waits for it.
+// kRegA: A is a register fragment (else a shared-memory descriptor fragment).
+template <bool kZeroInit, bool kRegA, class TiledMma, class FragA, class FragB, class FragC>
+CUTE_DEVICE void wgmma_gemm(TiledMma& mma, FragA const& a, FragB const& b, FragC& c) {
+  if constexpr (kRegA) warpgroup_fence_operand(const_cast<FragA&>(a));
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    cute::gemm(mma, a(_, _, k), b(_, _, k), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(c);
+  if constexpr (kRegA) warpgroup_fence_operand(const_cast<FragA&>(a));
+}
+
+// Shared memory of one block, from a 1024-byte aligned base: Q, the K slots, the V slots (each
+// tile a multiple of 1024 bytes, so each starts on a swizzle period), then the barriers.
+template <class Traits>
+struct SharedStorage {
+  using T = typename Traits::Element;
+  static_assert(Traits::kSmemQ % 1024 == 0 && Traits::kSmemKVStage % 1024 == 0,
+                "every tile must start on a 1024-byte boundary");
+  char* base;
+  CUTE_DEVICE T* q() const { return reinterpret_cast<T*>(base); }
+  CUTE_DEVICE T* k() const { return reinterpret_cast<T*>(base + Traits::kSmemQ); }
+  CUTE_DEVICE T* v() const { return reinterpret_cast<T*>(base + Traits::kSmemQ + Traits::kSmemK); }
+  CUTE_DEVICE uint64_t* barriers() const {
+    return reinterpret_cast<uint64_t*>(base + Traits::kSmemQ + Traits::kSmemK + Traits::kSmemV);
+  }
+  // barrier order: Q full, then per stage K full, K empty, V full, V empty
+  CUTE_DEVICE uint64_t* q_full() const { return barriers(); }
+  CUTE_DEVICE uint64_t* k_full() const { return barriers() + 1; }
+  CUTE_DEVICE uint64_t* k_empty() const { return barriers() + 1 + Traits::kStages; }
+  CUTE_DEVICE uint64_t* v_full() const { return barriers() + 1 + 2 * Traits::kStages; }
+  CUTE_DEVICE uint64_t* v_empty() const { return barriers() + 1 + 3 * Traits::kStages; }
+};
+
+}  // namespace sm90
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    sm90_fwd_kernel(__grid_constant__ const Sm90FwdArgs<Traits> args) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = typename Traits::Element;
+  using Storage = sm90::SharedStorage<Traits>;
+  using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
+  using EmptyBarrier = cutlass::arch::ClusterBarrier;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kConsumerWarps = Traits::kConsumerWarpgroups * 4;
+  constexpr float kNegInf = -INFINITY;
+  static_assert(cosize_v<typename Traits::SmemLayoutQ> * sizeof(T) == Traits::kSmemQ &&
+                cosize_v<typename Traits::SmemLayoutKV> * sizeof(T) == Traits::kSmemK,
+                "the shared-memory rule of sm90_fwd_config.h disagrees with the layouts");
+
+  FwdParams const& p = args.p;
+  extern __shared__ char smem_raw[];
+  // align the dynamic window to 1024 bytes (the swizzle period); kSmemBytes has room for it
+  const Storage st{reinterpret_cast<char*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + Traits::kSmemAlign - 1) &
+      ~uintptr_t(Traits::kSmemAlign - 1))};
+
+  // the last row blocks see the most keys under a causal mask: schedule them first
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int kv_head = head / p.group;
+  const int row0 = m_block * kBlockM;
+  const int diag = p.seqlen_k - p.seqlen_q;  // causal: row i sees column j iff j <= i + diag
+  const int warpgroup = threadIdx.x / 128;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+
+  // Key blocks this row block sees, visited last to first so that the masked ones (the key
+  // tail and the causal diagonal) come first. Producer and consumers walk the same sequence.
+  int n_blocks = ceil_div(p.seqlen_k, kBlockN);
+  if (p.causal) {
+    const int last_col = min(p.seqlen_k - 1, row0 + kBlockM - 1 + diag);
+    n_blocks = last_col < 0 ? 0 : min(n_blocks, last_col / kBlockN + 1);
+  }
+
+  auto& q_full = *reinterpret_cast<FullBarrier*>(st.q_full());
+  auto k_full = reinterpret_cast<FullBarrier*>(st.k_full());
+  auto v_full = reinterpret_cast<FullBarrier*>(st.v_full());
+  auto k_empty = reinterpret_cast<EmptyBarrier*>(st.k_empty());
+  auto v_empty = reinterpret_cast<EmptyBarrier*>(st.v_empty());
+  if (threadIdx.x == 0) {
+    q_full.init(1);
+    CUTE_UNROLL
+    for (int s = 0; s < kStages; ++s) {
+      k_full[s].init(1);
+      v_full[s].init(1);
+      k_empty[s].init(kConsumerWarps);
+      v_empty[s].init(kConsumerWarps);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  Tensor sQ = make_tensor(make_smem_ptr(st.q()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(st.k()), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(st.v()), typename Traits::SmemLayoutKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(st.v()), typename Traits::SmemLayoutVt{});
+
+  if (warpgroup == 0) {
+    // ================================ producer ================================
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    if (warp == 0 && lane == 0 && n_blocks > 0) {
+      auto tile_q = Shape<Int<kBlockM>, Int<kHeadDim>>{};
+      auto tile_kv = Shape<Int<kBlockN>, Int<kHeadDim>>{};
+      Tensor mQ = args.tma_q.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
+      Tensor mK = args.tma_k.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
+      Tensor mV = args.tma_v.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
+      Tensor gQ = local_tile(mQ(_, _, head, batch), tile_q, make_coord(m_block, _0{}));
+      Tensor gK = local_tile(mK(_, _, kv_head, batch), tile_kv, make_coord(_, _0{}));  // (BN,D,n)
+      Tensor gV = local_tile(mV(_, _, kv_head, batch), tile_kv, make_coord(_, _0{}));
+      auto [tQgQ, tQsQ] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                        group_modes<0, 2>(gQ));
+      auto [tKgK, tKsK] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                        group_modes<0, 2>(gK));
+      auto [tVgV, tVsV] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                        group_modes<0, 2>(gV));
+
+      q_full.arrive_and_expect_tx(Traits::kTmaBytesQ);
+      cute::copy(args.tma_q.with(reinterpret_cast<uint64_t&>(q_full)), tQgQ, tQsQ);
+      int stage = 0, phase = 0;
+      for (int n = n_blocks - 1; n >= 0; --n) {
+        k_empty[stage].wait(phase ^ 1);
+        k_full[stage].arrive_and_expect_tx(Traits::kTmaBytesKV);
+        cute::copy(args.tma_k.with(reinterpret_cast<uint64_t&>(k_full[stage])), tKgK(_, n),
+                   tKsK(_, stage));
+        v_empty[stage].wait(phase ^ 1);
+        v_full[stage].arrive_and_expect_tx(Traits::kTmaBytesKV);
+        cute::copy(args.tma_v.with(reinterpret_cast<uint64_t&>(v_full[stage])), tVgV(_, n),
+                   tVsV(_, stage));
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  // ================================ consumers ================================
+  cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+  const int ctid = threadIdx.x - 128;  // 0 .. consumer threads - 1
+  const int cwg = ctid / 128;          // this warpgroup's 64 rows: cwg * 64 ..
+
+  typename Traits::TiledMmaS mma_s;
+  typename Traits::TiledMmaO mma_o;
+  auto thr_s = mma_s.get_thread_slice(ctid);
+  auto thr_o = mma_o.get_thread_slice(ctid);
+  Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K): descriptors
+  Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
+  Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
+  Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  clear(acc_o);
+  // coordinates (row, col) in the tile of every S element this thread holds
+  Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor c_rc = make_tensor(tScS.data(), sm90::rowcol_view(tScS.layout()));
+
+  using AccS = decltype(partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  constexpr int kRows = decltype(size<0>(sm90::rowcol_view(typename AccS::layout_type{})))::value;
+  float row_max[kRows];
+  float row_sum[kRows];
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    row_max[r] = kNegInf;
+    row_sum[r] = 0.f;
+  }
+  const float scale_log2 = p.scale_log2;
+
+  int stage = 0, phase = 0;
+  auto step = [&](const int n, auto mask_tag) {
+    constexpr bool kMask = decltype(mask_tag)::value;
+    // S = Q K^T
+    Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    k_full[stage].wait(phase);
+    sm90::wgmma_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
+    warpgroup_wait<0>();
+    if (lane == 0) k_empty[stage].arrive();
+
+    Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
+    if constexpr (kMask) {  // the key tail and, when causal, what lies above the diagonal
+      const int col0 = n * kBlockN;
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(s_rc); ++r) {
+        const int row = row0 + get<0>(c_rc(r, 0));
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s_rc); ++c) {
+          const int col = col0 + get<1>(c_rc(r, c));
+          if (col >= p.seqlen_k || (p.causal && col > row + diag)) s_rc(r, c) = kNegInf;
+        }
+      }
+    }
+
+    // online softmax, base 2; a row is spread over the four lanes of a quad
+    Tensor o_rc = make_tensor(acc_o.data(), sm90::rowcol_view(acc_o.layout()));
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float mx = row_max[r];
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s_rc); ++c) mx = fmaxf(mx, s_rc(r, c));
+      mx = allreduce_xor<2>(mx, MaxOp{});
+      const float base = mx == kNegInf ? 0.f : mx * scale_log2;
+      const float alpha = exp2f(row_max[r] * scale_log2 - base);
+      row_max[r] = mx;
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s_rc); ++c) {
+        const float e = exp2f(fmaf(s_rc(r, c), scale_log2, -base));
+        s_rc(r, c) = e;
+        sum += e;
+      }
+      row_sum[r] = row_sum[r] * alpha + sum;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= alpha;
+    }
+
+    // O += P V with P from registers
+    Tensor rP = convert_fragment<T>(acc_s);
+    Tensor tOrP = make_tensor(rP.data(), sm90::acc_as_operand_a(rP.layout()));
+    v_full[stage].wait(phase);
+    sm90::wgmma_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, stage), acc_o);
+    warpgroup_wait<0>();
+    if (lane == 0) v_empty[stage].arrive();
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  };
+
+  auto needs_mask = [&](int n) {
+    return (n + 1) * kBlockN > p.seqlen_k || (p.causal && (n + 1) * kBlockN - 1 > row0 + diag);
+  };
+  if (n_blocks > 0) q_full.wait(0);
+  int n = n_blocks - 1;
+  for (; n >= 0 && needs_mask(n); --n) step(n, cute::true_type{});
+  for (; n >= 0; --n) step(n, cute::false_type{});
+
+  // ---- epilogue: O /= rowsum, log-sum-exp, O through shared memory to global ----
+  float* lse_ptr = p.lse + (int64_t(batch) * p.heads_q + head) * p.seqlen_q;
+  Tensor o_rc = make_tensor(acc_o.data(), sm90::rowcol_view(acc_o.layout()));
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    const float sum = allreduce_xor<2>(row_sum[r], SumOp{});
+    const bool empty = !(sum > 0.f);  // no visible key in this row
+    const float inv = empty ? 0.f : 1.f / sum;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= inv;
+    if (lane % 4 == 0) {  // the lane holding the row's first columns writes its statistic
+      const int row = row0 + get<0>(c_rc(r, 0));
+      if (row < p.seqlen_q) {
+        lse_ptr[row] = empty ? kNegInf : (row_max[r] * scale_log2 + log2f(sum)) * sm90::kLn2;
+      }
+    }
+  }
+
+  // this warpgroup's rows of the Q tile are free (its last S product has completed)
+  Tensor rO = convert_fragment<T>(acc_o);
+  Tensor sO = make_tensor(make_smem_ptr(st.q()), typename Traits::SmemLayoutQ{});
+  cute::copy(rO, thr_o.partition_C(sO));
+  cutlass::arch::NamedBarrier::sync(128, 1 + cwg);  // the warpgroup's rows are in shared memory
+
+  T* o_ptr = static_cast<T*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
+  const int wg_row0 = row0 + cwg * 64;
+  Tensor gO = make_tensor(make_gmem_ptr(o_ptr + int64_t(wg_row0) * p.o_row_stride),
+                          make_shape(Int<64>{}, Int<kHeadDim>{}), make_stride(p.o_row_stride, _1{}));
+  Tensor sOw = local_tile(sO, Shape<Int<64>, Int<kHeadDim>>{}, make_coord(cwg, _0{}));
+  typename Traits::GmemTiledCopyO copy_o;
+  auto thr_copy_o = copy_o.get_thread_slice(ctid % 128);
+  Tensor tOsO = thr_copy_o.partition_S(sOw);
+  Tensor tOgO = thr_copy_o.partition_D(gO);
+  Tensor tOcO = thr_copy_o.partition_D(make_identity_tensor(Shape<Int<64>, Int<kHeadDim>>{}));
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(tOsO); ++m) {
+    if (wg_row0 + get<0>(tOcO(0, m, 0)) < p.seqlen_q) {
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(tOsO); ++k) cute::copy(copy_o, tOsO(_, m, k), tOgO(_, m, k));
+    }
+  }
+#else
+  __trap();  // sm_90a only (wgmma, TMA, setmaxnreg)
+#endif
+}
+
+}  // namespace sparktune

@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""Compile Hopper (sm90) forward kernels for sm_90a without a GPU and judge the result.
+
+For every selected ``fwd_sm90_*`` configuration of the declared space that the C++ rules accept
+(default: one, ``DEFAULT``), this check generates its ``.cu`` (csrc/gen_kernels.py), compiles
+it with the local nvcc to PTX and to an sm_90a object with ``ptxas -v``, and fails a kernel on
+a build error, any spill or stack frame, or a PTX without ``wgmma.mma_async`` or without TMA
+loads (``cp.async.bulk.tensor``). One line per kernel, then ``N passed, M failed``.
+Exit status: 0 all passed, 1 some failed, 2 the check could not run (no nvcc or CuTe).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT = "fwd_sm90_f16_d128_m128n128_s2"
+NVCC_FLAGS = ["-std=c++17", "-O3", "--expt-relaxed-constexpr", "--use_fast_math"]
+GENCODE = ["-gencode", "arch=compute_90a,code=sm_90a"]
+
+
+class ToolUnavailable(RuntimeError):
+    pass
+
+
+def find_nvcc() -> Path:
+    for c in [shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"]:
+        if c and Path(c).is_file():
+            return Path(c)
+    raise ToolUnavailable("no nvcc on PATH")
+
+
+def cutlass_include() -> Path:
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+        raise ToolUnavailable("the nvidia-cutlass package is not installed")
+    inc = Path(list(spec.submodule_search_locations)[0]) / "source" / "include"
+    if not (inc / "cute" / "tensor.hpp").is_file():
+        raise ToolUnavailable(f"no CuTe headers under {inc}")
+    return inc
+
+
+def parse_ptxas(log: str) -> dict:
+    """Registers, spill bytes and stack frame of the kernel entry in a ``ptxas -v`` log."""
+    out = {"registers": None, "spill_stores": None, "spill_loads": None, "stack_frame": None}
+    m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if m:
+        out["stack_frame"], out["spill_stores"], out["spill_loads"] = map(int, m.groups())
+    m = re.search(r"Used (\d+) registers", log)
+    if m:
+        out["registers"] = int(m.group(1))
+    return out
+
+
+def check_kernel(name: str, gen: Path, nvcc: Path, includes: list[Path]) -> tuple[bool, str]:
+    src = gen / f"{name}.cu"
+    inc = [f"-I{i}" for i in includes]
+    ptx = gen / f"{name}.ptx"
+    res = subprocess.run([str(nvcc), *NVCC_FLAGS, "-gencode", "arch=compute_90a,code=compute_90a",
+                          *inc, "--ptx", str(src), "-o", str(ptx)], capture_output=True, text=True)
+    if res.returncode != 0:
+        return False, f"{name}: FAIL: PTX build error\n{res.stderr[-3000:]}"
+    text = ptx.read_text()
+    n_wgmma = text.count("wgmma.mma_async")
+    n_tma = text.count("cp.async.bulk.tensor")
+    res = subprocess.run([str(nvcc), *NVCC_FLAGS, *GENCODE, *inc, "-Xptxas=-v,-warn-spills",
+                          "-c", str(src), "-o", str(gen / f"{name}.o")],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        return False, f"{name}: FAIL: sm_90a build error\n{res.stderr[-3000:]}"
+    # the kernel entry's report (the register function of the .cu has no device code)
+    log = res.stdout + res.stderr
+    st = parse_ptxas(log)
+    reasons = []
+    if (st["spill_stores"] or 0) + (st["spill_loads"] or 0):
+        reasons.append(f"spills {st['spill_stores']} B stores / {st['spill_loads']} B loads")
+    if st["stack_frame"]:
+        reasons.append(f"{st['stack_frame']} B stack frame")
+    if st["registers"] is None:
+        reasons.append("no ptxas report of the kernel")
+    if not n_wgmma:
+        reasons.append("no wgmma.mma_async in the PTX")
+    if not n_tma:
+        reasons.append("no TMA load (cp.async.bulk.tensor) in the PTX")
+    line = (f"{name} regs={st['registers']} spill={st['spill_stores']}/{st['spill_loads']} "
+            f"stack={st['stack_frame']} wgmma={n_wgmma} tma={n_tma} ")
+    return not reasons, line + ("PASS" if not reasons else "FAIL: " + "; ".join(reasons))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--filter", default=DEFAULT,
+                    help="comma-separated shell patterns of sm90 kernel names (default: %(default)s)")
+    ap.add_argument("--keep", help="write the generated files here instead of a temporary folder")
+    args = ap.parse_args(argv)
+    try:
+        nvcc = find_nvcc()
+        cutlass = cutlass_include()
+    except ToolUnavailable as e:
+        print(f"check_sm90: cannot run: {e}", file=sys.stderr)
+        return 2
+    tmp = None if args.keep else tempfile.TemporaryDirectory(prefix="sparktune-sm90-")
+    gen = Path(args.keep or tmp.name)
+    gen.mkdir(parents=True, exist_ok=True)
+    includes = [cutlass, ROOT / "csrc" / "include"]
+    cmd = [sys.executable, str(ROOT / "csrc" / "gen_kernels.py"), "--out", str(gen), "--nvcc",
+           str(nvcc), "--include", str(cutlass), "--include", str(ROOT / "csrc" / "include"),
+           "--filter", args.filter, "--families", "90"]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    rows = [r.split("\t") for r in (gen / "space.tsv").read_text().splitlines() if r.strip()]
+    names = [r[0] for r in rows if r[1] == "1" and fnmatch.fnmatchcase(r[0], "fwd_sm90_*")]
+    if not names:
+        print(f"check_sm90: no valid sm90 kernel matches {args.filter!r}", file=sys.stderr)
+        return 1
+    passed = failed = 0
+    for name in names:
+        ok, line = check_kernel(name, gen, nvcc, includes)
+        print(line, flush=True)
+        passed += ok
+        failed += not ok
+    print(f"{passed} passed, {failed} failed")
+    if tmp is not None:
+        tmp.cleanup()
+    return 0 if failed == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
