@@ -33,6 +33,19 @@ def test_space_has_sm90_entries():
     assert {"fwd_sm90_f16_d64_m128n128_s2", "fwd_sm90_bf16_d128_m128n128_s2"} <= set(names)
 
 
+def test_sm90_scheduling_switches_are_name_suffixes():
+    from sparktune.kernels import kernel_space
+
+    e = kernel_space.Fwd90Entry("f16", 128, 128, 128, 2)
+    assert e.name == "fwd_sm90_f16_d128_m128n128_s2"  # switches off: the original name and type
+    assert e.config_type == "Sm90FwdConfig<cutlass::half_t, 128, 128, 128, 2>"
+    ov = kernel_space.Fwd90Entry("f16", 128, 128, 128, 2, True, True)
+    assert ov.name == "fwd_sm90_f16_d128_m128n128_s2_ov1_pp1"
+    assert ov.config_type.endswith(", 2, true, true>")
+    names = {x.name for x in kernel_space.forward_space() if x.family == 90}
+    assert {"fwd_sm90_f16_d64_m128n128_s2_ov1_pp0", "fwd_sm90_bf16_d128_m128n128_s2_ov1_pp1"} <= names
+
+
 @pytest.mark.build
 def test_one_sm90_kernel_compiles_without_spills():
     try:

@@ -4,8 +4,9 @@
 For every selected ``fwd_sm90_*`` configuration of the declared space that the C++ rules accept
 (default: one, ``DEFAULT``), this check generates its ``.cu`` (csrc/gen_kernels.py), compiles
 it with the local nvcc to PTX and to an sm_90a object with ``ptxas -v``, and fails a kernel on
-a build error, any spill or stack frame, or a PTX without ``wgmma.mma_async`` or without TMA
-loads (``cp.async.bulk.tensor``). One line per kernel, then ``N passed, M failed``.
+a build error, any spill or stack frame, a PTX without ``wgmma.mma_async`` or without TMA
+loads (``cp.async.bulk.tensor``), or where ptxas serialized the asynchronous wgmma. One line
+per kernel, then ``N passed, M failed``.
 Exit status: 0 all passed, 1 some failed, 2 the check could not run (no nvcc or CuTe).
 """
 
@@ -90,6 +91,11 @@ def check_kernel(name: str, gen: Path, nvcc: Path, includes: list[Path]) -> tupl
         reasons.append("no wgmma.mma_async in the PTX")
     if not n_tma:
         reasons.append("no TMA load (cp.async.bulk.tensor) in the PTX")
+    # ptxas makes asynchronous wgmma synchronous when it cannot prove the registers of an
+    # in-flight product untouched (C7515/C7510 "Potential Performance Loss"): the overlap is gone
+    if "wgmma.mma_async instructions are serialized" in log:
+        m = re.search(r"wgmma\.mma_async instructions are serialized[^\n]*", log)
+        reasons.append("ptxas serialized the wgmma: " + m.group(0))
     line = (f"{name} regs={st['registers']} spill={st['spill_stores']}/{st['spill_loads']} "
             f"stack={st['stack_frame']} wgmma={n_wgmma} tma={n_tma} ")
     return not reasons, line + ("PASS" if not reasons else "FAIL: " + "; ".join(reasons))

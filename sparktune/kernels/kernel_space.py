@@ -66,7 +66,11 @@ class FwdEntry:
 class Fwd90Entry:
     """A Hopper forward configuration (wgmma, TMA, a producer warpgroup and block_m / 64
     consumer warpgroups): ``fwd_sm90_f16_d128_m128n128_s2``; ``s`` is the depth of the K/V
-    pipeline in shared memory. Compiled for sm_90a: it runs on sm_90 only."""
+    pipeline in shared memory. Compiled for sm_90a: it runs on sm_90 only.
+
+    ``overlap`` (``_ov1``): softmax of key block j under the P V product of block j - 1 inside
+    each consumer warpgroup; ``pingpong`` (``_pp1``, needs ``overlap``): the two consumer
+    warpgroups take turns issuing their GEMMs. Both off: no suffix, the original kernel."""
 
     rules_header = "sparktune/sm90_fwd_config.h"
     launch_header = "sparktune/sm90_fwd_launch.h"
@@ -78,19 +82,25 @@ class Fwd90Entry:
     block_m: int
     block_n: int
     stages: int
+    overlap: bool = False
+    pingpong: bool = False
 
     @property
     def name(self) -> str:
+        sched = f"_ov{int(self.overlap)}_pp{int(self.pingpong)}" if self.overlap or self.pingpong else ""
         return (
             f"fwd_sm90_{self.dtype}_d{self.head_dim}_m{self.block_m}n{self.block_n}"
-            f"_s{self.stages}"
+            f"_s{self.stages}{sched}"
         )
 
     @property
     def config_type(self) -> str:
+        sched = ""
+        if self.overlap or self.pingpong:
+            sched = f", {str(self.overlap).lower()}, {str(self.pingpong).lower()}"
         return (
             f"Sm90FwdConfig<{DTYPES[self.dtype][1]}, {self.head_dim}, {self.block_m}, "
-            f"{self.block_n}, {self.stages}>"
+            f"{self.block_n}, {self.stages}{sched}>"
         )
 
 
@@ -155,6 +165,10 @@ def forward_space() -> list[FwdEntry | Fwd90Entry]:
                (128, 128, 64, 3), (256, 128, 64, 2), (256, 128, 80, 2)]
     entries += [Fwd90Entry(dt, hd, bm, bn, st) for dt in ("f16", "bf16")
                 for hd, bm, bn, st in tiles90]
+    # the scheduled variants: intra-warpgroup overlap, then ping-pong on top of it
+    sched90 = [(64, 128, 128, 2), (64, 128, 128, 3), (128, 128, 128, 2), (128, 128, 64, 3)]
+    entries += [Fwd90Entry(dt, hd, bm, bn, st, True, pp) for dt in ("f16", "bf16")
+                for hd, bm, bn, st in sched90 for pp in (False, True)]
     names = [e.name for e in entries]
     assert len(names) == len(set(names)), "duplicate configuration names"
     return entries

@@ -7,6 +7,17 @@
 // query rows each. S = Q K^T and O += P V run on wgmma (both operands of S in shared memory, P
 // from registers); K and V stream through a pipeline of `stages` shared-memory slots guarded by
 // mbarriers (full: the TMA transaction landed; empty: every consumer warp is done with it).
+//
+// Two scheduling switches (both off: the original kernel, instruction for instruction):
+// - kOverlap ("ov1"): software pipelining inside each consumer warpgroup. A step issues
+//   S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back as two wgmma commit groups, waits for
+//   the first only, and does the softmax of S_j while the tensor cores still run P_{j-1} V_{j-1};
+//   O is rescaled and P_j written once the second group is done. P_{j-1} (16-bit) therefore
+//   lives next to S_j (fp32) and O: exactly what the register rule below already counts.
+// - kPingpong ("pp1"): the two consumer warpgroups take turns issuing their GEMMs (a pair of
+//   named barriers), so that one warpgroup's softmax runs under the other's GEMMs. It orders
+//   the per-step burst of both GEMMs that only the overlapped order has, so it needs kOverlap,
+//   and it alternates between exactly two warpgroups.
 #pragma once
 
 #include <cutlass/numeric_types.h>
@@ -15,7 +26,8 @@
 
 namespace sparktune {
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_,
+          bool kOverlap_ = false, bool kPingpong_ = false>
 struct Sm90FwdConfig {
   using Element = Element_;
   static constexpr int kFamily = 90;
@@ -23,6 +35,8 @@ struct Sm90FwdConfig {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
+  static constexpr bool kOverlap = kOverlap_;
+  static constexpr bool kPingpong = kPingpong_;
   static constexpr bool kIsHalf = std::is_same_v<Element, cutlass::half_t>;
   static constexpr bool kAcc32 = true;  // wgmma with 16-bit inputs: fp32 accumulators here
 
@@ -78,9 +92,11 @@ struct Sm90FwdConfig {
   static constexpr bool kStagesOk = kStages >= 2 && kStages <= 4;
   static constexpr bool kSmemOk = kSmemBytes <= kMaxSmemBytes;
   static constexpr bool kRegsOk = kRegEstimate <= kConsumerRegs;
+  // ping-pong: the GEMM bursts of the overlapped order, alternating between two warpgroups
+  static constexpr bool kPingpongOk = !kPingpong || (kOverlap && kConsumerWarpgroups == 2);
 
   static constexpr bool kValid =
-      kHeadDimOk && kBlockMOk && kBlockNOk && kStagesOk && kSmemOk && kRegsOk;
+      kHeadDimOk && kBlockMOk && kBlockNOk && kStagesOk && kSmemOk && kRegsOk && kPingpongOk;
   static constexpr const char* kInvalidReason =
       !kHeadDimOk  ? "the sm90 family is built for head dims 64 and 128 (256: the 64 x 256 fp32 O accumulator of a warpgroup spills)"
       : !kBlockMOk ? "block_m must be 64, 128 or 192 (one to three consumer warpgroups of 64 rows)"
@@ -88,6 +104,7 @@ struct Sm90FwdConfig {
       : !kStagesOk ? "the K/V pipeline has 2 to 4 stages"
       : !kSmemOk   ? "shared memory exceeds 227 KB per block"
       : !kRegsOk   ? "register budget: O, S and P of a consumer thread need more registers than setmaxnreg can give it (ptxas would spill)"
+      : !kPingpongOk ? "ping-pong alternates the GEMM bursts of the overlapped order (ov1) between exactly two consumer warpgroups (block_m 128)"
                    : "";
 };
 

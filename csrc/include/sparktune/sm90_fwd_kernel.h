@@ -65,6 +65,19 @@ CUTE_DEVICE void wgmma_gemm(TiledMma& mma, FragA const& a, FragB const& b, FragC
   if constexpr (kRegA) warpgroup_fence_operand(const_cast<FragA&>(a));
 }
 
+// dst = src converted element by element (packed f32 -> f16x2 / bf16x2), into an existing
+// register fragment of the same shape.
+template <class Src, class Dst>
+CUTE_DEVICE void convert_into(Src const& src, Dst& dst) {
+  using From = typename Src::value_type;
+  using To = typename Dst::value_type;
+  constexpr int N = decltype(size(src))::value;
+  static_assert(N == decltype(size(dst))::value, "fragments of different sizes");
+  cutlass::NumericArrayConverter<To, From, N> convert;
+  *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
+      convert(*reinterpret_cast<cutlass::Array<From, N> const*>(src.data()));
+}
+
 // Shared memory of one block, from a 1024-byte aligned base: Q, the K slots, the V slots (each
 // tile a multiple of 1024 bytes, so each starts on a swizzle period), then the barriers.
 template <class Traits>
@@ -288,10 +301,139 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto needs_mask = [&](int n) {
     return (n + 1) * kBlockN > p.seqlen_k || (p.causal && (n + 1) * kBlockN - 1 > row0 + diag);
   };
-  if (n_blocks > 0) q_full.wait(0);
-  int n = n_blocks - 1;
-  for (; n >= 0 && needs_mask(n); --n) step(n, cute::true_type{});
-  for (; n >= 0; --n) step(n, cute::false_type{});
+  if constexpr (!Traits::kOverlap) {
+    if (n_blocks > 0) q_full.wait(0);
+    int n = n_blocks - 1;
+    for (; n >= 0 && needs_mask(n); --n) step(n, cute::true_type{});
+    for (; n >= 0; --n) step(n, cute::false_type{});
+  } else if (n_blocks > 0) {
+    // ---- the overlapped order (ov1): S_j's softmax runs under P_{j-1} V_{j-1} ----
+    // A GEMM burst: S_j and P_{j-1} V_{j-1} issued back to back. With ping-pong (pp1) the two
+    // warpgroups take turns: warpgroup c waits at barrier kSchedBarrier + c before its burst
+    // and opens the other's after it. Each warpgroup has n_blocks + 1 bursts; warpgroup 1
+    // opens warpgroup 0's first one and skips the opening after its last, so every barrier
+    // sees as many arrivals as waits.
+    constexpr int kSchedBarrier = 4;  // user ids 1..3 belong to the epilogue
+    auto burst_begin = [&]() {
+      if constexpr (Traits::kPingpong) cutlass::arch::NamedBarrier::sync(256, kSchedBarrier + cwg);
+    };
+    auto burst_end = [&](const bool last) {
+      if constexpr (Traits::kPingpong) {
+        if (!(last && cwg == 1)) cutlass::arch::NamedBarrier::arrive(256, kSchedBarrier + (cwg ^ 1));
+      }
+    };
+    if constexpr (Traits::kPingpong) {
+      if (cwg == 1) cutlass::arch::NamedBarrier::arrive(256, kSchedBarrier + 0);
+    }
+
+    auto mask_s = [&](auto& acc_s, const int n) {  // the key tail and the causal diagonal
+      Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
+      const int col0 = n * kBlockN;
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(s_rc); ++r) {
+        const int row = row0 + get<0>(c_rc(r, 0));
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s_rc); ++c) {
+          const int col = col0 + get<1>(c_rc(r, c));
+          if (col >= p.seqlen_k || (p.causal && col > row + diag)) s_rc(r, c) = kNegInf;
+        }
+      }
+    };
+    // online softmax of S (base 2, a row over the four lanes of a quad): S becomes the
+    // unnormalised probabilities, the row statistics move on, alpha[r] is what O's row r is
+    // to be multiplied by once the pending P V product has landed in it
+    float alpha[kRows];
+    auto softmax_s = [&](auto& acc_s) {
+      Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        float mx = row_max[r];
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s_rc); ++c) mx = fmaxf(mx, s_rc(r, c));
+        mx = allreduce_xor<2>(mx, MaxOp{});
+        const float base = mx == kNegInf ? 0.f : mx * scale_log2;
+        alpha[r] = exp2f(row_max[r] * scale_log2 - base);
+        row_max[r] = mx;
+        float sum = 0.f;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s_rc); ++c) {
+          const float e = exp2f(fmaf(s_rc(r, c), scale_log2, -base));
+          s_rc(r, c) = e;
+          sum += e;
+        }
+        row_sum[r] = row_sum[r] * alpha[r] + sum;
+      }
+    };
+    auto rescale_o = [&]() {
+      Tensor o_rc = make_tensor(acc_o.data(), sm90::rowcol_view(acc_o.layout()));
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= alpha[r];
+      }
+    };
+    // P of the previous block, kept in registers until its P V product is done
+    Tensor rP = make_tensor<T>(typename AccS::layout_type{});
+    Tensor tOrP = make_tensor(rP.data(), sm90::acc_as_operand_a(rP.layout()));
+    int pstage = 0, pphase = 0;  // the slot of the block whose V is still to be multiplied
+    auto advance = [&]() {
+      pstage = stage;
+      pphase = phase;
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    };
+
+    q_full.wait(0);
+    int n = n_blocks - 1;
+    {  // the first block: S only (O is still zero, nothing to rescale)
+      Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      k_full[stage].wait(phase);
+      burst_begin();
+      sm90::wgmma_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
+      burst_end(false);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_s);
+      if (lane == 0) k_empty[stage].arrive();
+      if (needs_mask(n)) mask_s(acc_s, n);
+      softmax_s(acc_s);
+      sm90::convert_into(acc_s, rP);
+      advance();
+    }
+    auto step_ov = [&](const int n, auto mask_tag) {
+      constexpr bool kMask = decltype(mask_tag)::value;
+      Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      k_full[stage].wait(phase);
+      v_full[pstage].wait(pphase);
+      burst_begin();
+      sm90::wgmma_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
+      sm90::wgmma_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, pstage), acc_o);
+      burst_end(false);
+      warpgroup_wait<1>();  // S_j is done, P_{j-1} V_{j-1} may still run
+      warpgroup_fence_operand(acc_s);
+      if (lane == 0) k_empty[stage].arrive();
+      if constexpr (kMask) mask_s(acc_s, n);
+      softmax_s(acc_s);
+      warpgroup_wait<0>();  // O and P_{j-1} are free again
+      warpgroup_fence_operand(acc_o);
+      warpgroup_fence_operand(rP);
+      if (lane == 0) v_empty[pstage].arrive();
+      rescale_o();
+      sm90::convert_into(acc_s, rP);
+      advance();
+    };
+    for (--n; n >= 0 && needs_mask(n); --n) step_ov(n, cute::true_type{});
+    for (; n >= 0; --n) step_ov(n, cute::false_type{});
+    // the last block's P V
+    v_full[pstage].wait(pphase);
+    burst_begin();
+    sm90::wgmma_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, pstage), acc_o);
+    burst_end(true);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_o);
+    if (lane == 0) v_empty[pstage].arrive();
+  }
 
   // ---- epilogue: O /= rowsum, log-sum-exp, O through shared memory to global ----
   float* lse_ptr = p.lse + (int64_t(batch) * p.heads_q + head) * p.seqlen_q;
