@@ -12,6 +12,26 @@ A row that sees no key has output 0, log-sum-exp -inf and zero gradients.
 Scores are kept in base 2: ``qk_scale = scale * log2(e)`` folds the softmax scale into the
 exponent, and only the stored log-sum-exp is converted back to natural log.
 
+Features (docs/FEATURES.md), each a constexpr switch, so that the plain kernels compile to the
+code they had before the features existed:
+
+- WINDOW: a band ``d(i) - left <= j <= d(i) + right`` (``d(i) = i + seqlen_k - seqlen_q``).
+  The loops run over the blocks of the band only (unmasked inside it, masked on its two
+  edges), so a window costs time in proportion to its visible area. ``causal`` with an
+  unlimited left side stays the CAUSAL kernel; a side wider than the sequences is unlimited.
+- SOFTCAP: ``cap * tanh(s / cap)`` on the scaled scores; the backward multiplies dS by
+  ``1 - tanh^2``.
+- ALIBI: ``- slope[b, h] * |d(i) - j|`` after the softcap.
+- DROPOUT: the keep mask is one Philox draw per (row, key) from the counter (key, row of the
+  log-sum-exp layout, offset words) and the seed words, so the backward regenerates it;
+  :func:`dropout_mask` returns it. The log-sum-exp is that of the undropped probabilities.
+- VARLEN: packed (total, heads, head_dim) tensors, sequence ``b`` rows ``cu[b]:cu[b + 1]``;
+  the grid covers the longest sequence and programs past a sequence's end return at once.
+  The log-sum-exp is (heads_q, total_q).
+- Deterministic backward: the dK/dV kernel sums GQA groups in a loop and the separate dQ
+  kernel has no atomics, so every config without ``_dqatomic`` is bitwise reproducible; the
+  atomic ones are refused when ``deterministic=True``.
+
 Interpreter: Triton decides when it is imported whether ``@triton.jit`` builds GPU kernels or
 interpreted ones (environment variable ``TRITON_INTERPRET=1``); with the interpreter the same
 code runs on CPU tensors (slowly: tests only).
@@ -123,6 +143,8 @@ _PRE_BLOCK_M = 64
 _PRE_WARPS = 4
 #: a softcap argument of tanh beyond this many (base-2 exponent units) saturates to +-1
 _TANH_CLAMP = tl.constexpr(64.0)
+#: the softcap's tanh is the GPU's instruction (the interpreter computes it from exp2)
+_HW_TANH = tl.constexpr(not INTERPRET)
 
 # Sequence lengths and the GQA group size vary per call and are never specialised on
 # (otherwise every odd length would compile a new kernel); strides are, since their
@@ -224,15 +246,22 @@ def _visible(qi, kj, seqlen_q, seqlen_k, diag, win_left, win_right, CHECK_Q: tl.
 
 @triton.jit
 def _tanh(x):
-    """tanh from one exp2 and a fast division; saturates to +-1 (never NaN)."""
-    e = tl.math.exp2(tl.minimum(x * (2.0 * _LOG2E), _TANH_CLAMP))
-    return 1.0 - tl.math.fdiv(2.0, e + 1.0)
+    """tanh: on the GPU the hardware's ``tanh.approx.f32`` (one special-function operation,
+    relative error about 2^-11, as FlashAttention's softcap); under the interpreter, which runs
+    no PTX, from one exp2 and a division (saturating to +-1, never NaN)."""
+    if _HW_TANH:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        e = tl.math.exp2(tl.minimum(x * (2.0 * _LOG2E), _TANH_CLAMP))
+        return 1.0 - tl.math.fdiv(2.0, e + 1.0)
 
 
 @triton.jit
 def _modified_scores(qk, qi, kj, diag, qk_scale, cap_in, cap_out, slope2, SOFTCAP: tl.constexpr,
                      ALIBI: tl.constexpr):
-    """Scores in base 2 (natural scores times log2 e) after the softcap and the ALiBi bias.
+    """Scores in base 2 (natural scores times log2 e) after the softcap and the ALiBi bias
+    (``qi``/``kj``: broadcastable float32 query and key indices, ``diag`` their offset).
     Returns (scores, tanh of the capped argument; the scores themselves without SOFTCAP)."""
     if SOFTCAP:
         t = _tanh(qk * cap_in)
@@ -241,7 +270,9 @@ def _modified_scores(qk, qi, kj, diag, qk_scale, cap_in, cap_out, slope2, SOFTCA
         s = qk * qk_scale
         t = s
     if ALIBI:
-        s = s - slope2 * tl.abs(qi + diag - kj).to(tl.float32)
+        # qi, kj are float32 indices (exact below 2^24): one subtraction per score, no
+        # integer-to-float conversion
+        s = s - slope2 * tl.abs(qi + diag - kj)
     return s, t
 
 
@@ -284,15 +315,17 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, lo, hi, r
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     diag = seqlen_k - seqlen_q
+    rows_f = rows.to(tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
+        cols_f = cols.to(tl.float32)
         k = _load_tile(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, seqlen_k,
                        offs_d, MASKED, HEAD_DIM, BLOCK_D)
         qk = tl.dot(q, tl.trans(k))
         if MASKED:
             if SOFTCAP or ALIBI:
-                s, _ = _modified_scores(qk, rows[:, None], cols[None, :], diag, qk_scale, cap_in,
-                                        cap_out, slope2, SOFTCAP, ALIBI)
+                s, _ = _modified_scores(qk, rows_f[:, None], cols_f[None, :], diag, qk_scale,
+                                        cap_in, cap_out, slope2, SOFTCAP, ALIBI)
             else:
                 s = qk * qk_scale
             visible = _visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, diag, win_left,
@@ -304,8 +337,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, lo, hi, r
             p = tl.math.exp2(s - m_sub[:, None])
             alpha = tl.math.exp2(m_i - m_sub)
         elif SOFTCAP or ALIBI:
-            s, _ = _modified_scores(qk, rows[:, None], cols[None, :], diag, qk_scale, cap_in,
-                                    cap_out, slope2, SOFTCAP, ALIBI)
+            s, _ = _modified_scores(qk, rows_f[:, None], cols_f[None, :], diag, qk_scale,
+                                    cap_in, cap_out, slope2, SOFTCAP, ALIBI)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.math.exp2(s - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
@@ -468,8 +501,10 @@ def _bwd_dkdv_inner(dk, dv, k, v, cols, q_base, do_base, dq_base, lse_base, delt
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     diag = seqlen_k - seqlen_q
+    cols_f = cols.to(tl.float32)
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
+        rows_f = rows.to(tl.float32)
         q = _load_tile(q_base + rows[:, None] * stride_qn + offs_d[None, :], rows, seqlen_q,
                        offs_d, MASK_ROWS, HEAD_DIM, BLOCK_D)
         do = _load_tile(do_base + rows[:, None] * stride_don + offs_d[None, :], rows, seqlen_q,
@@ -482,8 +517,8 @@ def _bwd_dkdv_inner(dk, dv, k, v, cols, q_base, do_base, dq_base, lse_base, delt
             delta = tl.load(delta_base + rows)
         # P^T = exp(S^T - lse): probabilities recomputed from the forward's log-sum-exp
         if SOFTCAP or ALIBI:
-            sT, tT = _modified_scores(tl.dot(k, tl.trans(q)), rows[None, :], cols[:, None], diag,
-                                      qk_scale, cap_in, cap_out, slope2, SOFTCAP, ALIBI)
+            sT, tT = _modified_scores(tl.dot(k, tl.trans(q)), rows_f[None, :], cols_f[:, None],
+                                      diag, qk_scale, cap_in, cap_out, slope2, SOFTCAP, ALIBI)
             pT = tl.math.exp2(sT - lse2[None, :])
         else:
             pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
@@ -678,15 +713,17 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, rows, k_base, v_base, stride_kn, strid
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     diag = seqlen_k - seqlen_q
+    rows_f = rows.to(tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
+        cols_f = cols.to(tl.float32)
         k = _load_tile(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, seqlen_k,
                        offs_d, MASKED, HEAD_DIM, BLOCK_D)
         v = _load_tile(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, seqlen_k,
                        offs_d, MASKED, HEAD_DIM, BLOCK_D)
         if SOFTCAP or ALIBI:
-            s, t = _modified_scores(tl.dot(q, tl.trans(k)), rows[:, None], cols[None, :], diag,
-                                    qk_scale, cap_in, cap_out, slope2, SOFTCAP, ALIBI)
+            s, t = _modified_scores(tl.dot(q, tl.trans(k)), rows_f[:, None], cols_f[None, :],
+                                    diag, qk_scale, cap_in, cap_out, slope2, SOFTCAP, ALIBI)
             p = tl.math.exp2(s - lse2[:, None])
         else:
             p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
