@@ -1263,7 +1263,7 @@ def attention_forward(q, k, v, out, lse=None, *, config: FwdConfig | str, causal
                       scale: float, window=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
                       dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                      max_seqlen_k=None) -> torch.Tensor:
+                      max_seqlen_k=None, deterministic: bool = False) -> torch.Tensor:
     """Write softmax(scale * q k^T) v into ``out`` and return the float32 log-sum-exp
     (batch, heads_q, seqlen_q) (written into ``lse`` when given, which must be contiguous).
 
@@ -1271,7 +1271,9 @@ def attention_forward(q, k, v, out, lse=None, *, config: FwdConfig | str, causal
     ``causal`` sets right = 0), ``softcap`` > 0, ``alibi_slopes`` (fp32 (Hq,) or (B, Hq)),
     ``dropout_p`` with ``seed``/``offset`` (see :func:`dropout_mask`), and varlen: packed
     (total, H, D) q/k/v/out with int32 ``cu_seqlens_q``/``cu_seqlens_k`` and the maximum
-    lengths; the log-sum-exp is then (heads_q, total_q)."""
+    lengths; the log-sum-exp is then (heads_q, total_q). ``deterministic`` is accepted and
+    changes nothing: the forward has no atomics, every config is reproducible."""
+    del deterministic
     cfg = _as_config(config, "fwd")
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     _check_shapes(q, k, v, varlen)
