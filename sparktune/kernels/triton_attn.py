@@ -12,6 +12,26 @@ A row that sees no key has output 0, log-sum-exp -inf and zero gradients.
 Scores are kept in base 2: ``qk_scale = scale * log2(e)`` folds the softmax scale into the
 exponent, and only the stored log-sum-exp is converted back to natural log.
 
+Features (docs/FEATURES.md), each a constexpr switch, so that the plain kernels compile to the
+code they had before the features existed:
+
+- WINDOW: a band ``d(i) - left <= j <= d(i) + right`` (``d(i) = i + seqlen_k - seqlen_q``).
+  The loops run over the blocks of the band only (unmasked inside it, masked on its two
+  edges), so a window costs time in proportion to its visible area. ``causal`` with an
+  unlimited left side stays the CAUSAL kernel; a side wider than the sequences is unlimited.
+- SOFTCAP: ``cap * tanh(s / cap)`` on the scaled scores; the backward multiplies dS by
+  ``1 - tanh^2``.
+- ALIBI: ``- slope[b, h] * |d(i) - j|`` after the softcap.
+- DROPOUT: the keep mask is one Philox draw per (row, key) from the counter (key, row of the
+  log-sum-exp layout, offset words) and the seed words, so the backward regenerates it;
+  :func:`dropout_mask` returns it. The log-sum-exp is that of the undropped probabilities.
+- VARLEN: packed (total, heads, head_dim) tensors, sequence ``b`` rows ``cu[b]:cu[b + 1]``;
+  the grid covers the longest sequence and programs past a sequence's end return at once.
+  The log-sum-exp is (heads_q, total_q).
+- Deterministic backward: the dK/dV kernel sums GQA groups in a loop and the separate dQ
+  kernel has no atomics, so every config without ``_dqatomic`` is bitwise reproducible; the
+  atomic ones are refused when ``deterministic=True``.
+
 Interpreter: Triton decides when it is imported whether ``@triton.jit`` builds GPU kernels or
 interpreted ones (environment variable ``TRITON_INTERPRET=1``); with the interpreter the same
 code runs on CPU tensors (slowly: tests only).
@@ -30,6 +50,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.random import philox_impl, uint_to_uniform_float
 from triton.runtime.jit import MockTensor
 
 from ..dtypes import DTYPE_NAMES
@@ -38,6 +59,7 @@ from .triton_space import BwdConfig, Config, FwdConfig, padded_head_dim, parse_c
 __all__ = [
     "attention_forward",
     "attention_backward",
+    "dropout_mask",
     "warmup",
     "compiled_labels",
     "compile_offline",
@@ -119,11 +141,18 @@ _LN2 = tl.constexpr(LN2)
 #: rows per program of the backward's preprocessing kernel (a bandwidth-bound row sum)
 _PRE_BLOCK_M = 64
 _PRE_WARPS = 4
+#: a softcap argument of tanh beyond this many (base-2 exponent units) saturates to +-1
+_TANH_CLAMP = tl.constexpr(64.0)
+#: the softcap's tanh is the GPU's instruction (the interpreter computes it from exp2)
+_HW_TANH = tl.constexpr(not INTERPRET)
 
 # Sequence lengths and the GQA group size vary per call and are never specialised on
 # (otherwise every odd length would compile a new kernel); strides are, since their
-# divisibility decides vectorised loads.
+# divisibility decides vectorised loads. The feature arguments (window sides, dropout seed and
+# offset words, the packed row count of varlen) vary per call too.
 _RUNTIME_INTS = ["seqlen_q", "seqlen_k", "group"]
+_FEATURE_INTS = ["win_left", "win_right", "seed_lo", "seed_hi", "off_lo", "off_hi", "total_q",
+                 "stride_ab"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,6 +204,102 @@ def _key_ranges(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.
     return full_end, end
 
 
+@triton.jit
+def _band_ranges(start, diag, before, after, n_stream, BLOCK_OWN: tl.constexpr,
+                 BLOCK_STREAM: tl.constexpr):
+    """A band mask: own row ``r`` sees streamed index ``x`` iff
+    ``r + diag - before <= x <= r + diag + after`` and ``0 <= x < n_stream``. For the own rows
+    [start, start + BLOCK_OWN) returns (lo, full_lo, full_hi, hi): streamed indices [lo, hi)
+    are seen by some row (lo aligned to BLOCK_STREAM), and whole blocks in [full_lo, full_hi)
+    are seen by every row (no mask); the rest of [lo, hi) needs one. Everything outside
+    [lo, hi) is skipped, so the cost follows the visible band, not the sequence length."""
+    first = start + diag
+    last = start + BLOCK_OWN - 1 + diag
+    lo = (tl.maximum(first - before, 0) // BLOCK_STREAM) * BLOCK_STREAM
+    hi = tl.maximum(tl.minimum(last + after + 1, n_stream), lo)
+    # every own row sees [last - before, first + after]; whole streamed blocks only
+    full_lo = tl.cdiv(tl.maximum(last - before, 0), BLOCK_STREAM) * BLOCK_STREAM
+    full_hi = (tl.maximum(tl.minimum(first + after + 1, n_stream), 0) // BLOCK_STREAM) * BLOCK_STREAM
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _visible(qi, kj, seqlen_q, seqlen_k, diag, win_left, win_right, CHECK_Q: tl.constexpr,
+             CHECK_K: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Whether query ``qi`` sees key ``kj`` (broadcast index tensors): inside the sequence
+    (rows checked when CHECK_Q, keys when CHECK_K), on or below the diagonal (CAUSAL), inside
+    the window (WINDOW)."""
+    if CHECK_K:
+        visible = kj < seqlen_k
+        if CHECK_Q:
+            visible = visible & (qi < seqlen_q)
+    else:
+        visible = qi < seqlen_q
+    if CAUSAL:
+        visible = visible & (kj <= qi + diag)
+    if WINDOW:
+        visible = visible & (kj <= qi + diag + win_right) & (kj >= qi + diag - win_left)
+    return visible
+
+
+@triton.jit
+def _tanh(x):
+    """tanh: on the GPU the hardware's ``tanh.approx.f32`` (one special-function operation,
+    relative error about 2^-11, as FlashAttention's softcap); under the interpreter, which runs
+    no PTX, from one exp2 and a division (saturating to +-1, never NaN)."""
+    if _HW_TANH:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        e = tl.math.exp2(tl.minimum(x * (2.0 * _LOG2E), _TANH_CLAMP))
+        return 1.0 - tl.math.fdiv(2.0, e + 1.0)
+
+
+@triton.jit
+def _modified_scores(qk, qi, kj, diag, qk_scale, cap_in, cap_out, slope2, SOFTCAP: tl.constexpr,
+                     ALIBI: tl.constexpr):
+    """Scores in base 2 (natural scores times log2 e) after the softcap and the ALiBi bias
+    (``qi``/``kj``: broadcastable float32 query and key indices, ``diag`` their offset).
+    Returns (scores, tanh of the capped argument; the scores themselves without SOFTCAP)."""
+    if SOFTCAP:
+        t = _tanh(qk * cap_in)
+        s = t * cap_out
+    else:
+        s = qk * qk_scale
+        t = s
+    if ALIBI:
+        # qi, kj are float32 indices (exact below 2^24): one subtraction per score, no
+        # integer-to-float conversion
+        s = s - slope2 * tl.abs(qi + diag - kj)
+    return s, t
+
+
+@triton.jit
+def _dropout_keep(row_ids, kj, drop_p, seed_lo, seed_hi, off_lo, off_hi):
+    """The dropout keep mask of (row, key) pairs: one Philox draw per pair from the counter
+    (key index, row index in the log-sum-exp layout, offset low word, offset high word) and the
+    key (seed low word, seed high word); kept where the uniform draw is >= drop_p."""
+    c0 = (kj + row_ids * 0).to(tl.uint32)
+    c1 = (row_ids + kj * 0).to(tl.uint32)
+    c2 = c0 * 0 + off_lo.to(tl.uint32)
+    c3 = c0 * 0 + off_hi.to(tl.uint32)
+    r, _, _, _ = philox_impl(c0, c1, c2, c3, seed_lo.to(tl.uint32), seed_hi.to(tl.uint32))
+    return uint_to_uniform_float(r) >= drop_p
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "off_lo", "off_hi", "nrows", "ncols"])
+def _dropout_mask_kernel(Keep, nrows, ncols, drop_p, seed_lo, seed_hi, off_lo, off_hi,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    keep = _dropout_keep(rows[:, None].to(tl.int64), cols[None, :], drop_p, seed_lo, seed_hi,
+                         off_lo, off_hi)
+    ptrs = Keep + rows[:, None].to(tl.int64) * ncols + cols[None, :]
+    tl.store(ptrs, keep.to(tl.int8), mask=(rows[:, None] < nrows) & (cols[None, :] < ncols))
+
+
 # --------------------------------------------------------------------------------------------
 # forward
 # --------------------------------------------------------------------------------------------
@@ -182,31 +307,50 @@ def _key_ranges(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, lo, hi, rows, seqlen_q,
-               seqlen_k, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+               seqlen_k, qk_scale, win_left, win_right, cap_in, cap_out, slope2, drop_p, row_base,
+               seed_lo, seed_hi, off_lo, off_hi, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+               DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_N: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     diag = seqlen_k - seqlen_q
+    rows_f = rows.to(tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
+        cols_f = cols.to(tl.float32)
         k = _load_tile(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, seqlen_k,
                        offs_d, MASKED, HEAD_DIM, BLOCK_D)
         qk = tl.dot(q, tl.trans(k))
         if MASKED:
-            visible = cols[None, :] < seqlen_k
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= rows[:, None] + diag)
-            s = tl.where(visible, qk * qk_scale, float("-inf"))
+            if SOFTCAP or ALIBI:
+                s, _ = _modified_scores(qk, rows_f[:, None], cols_f[None, :], diag, qk_scale,
+                                        cap_in, cap_out, slope2, SOFTCAP, ALIBI)
+            else:
+                s = qk * qk_scale
+            visible = _visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, diag, win_left,
+                               win_right, False, True, CAUSAL, WINDOW)
+            s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # a row that has seen no key yet keeps m = -inf: subtract 0 instead (p = 0, alpha = 0)
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - m_sub[:, None])
             alpha = tl.math.exp2(m_i - m_sub)
+        elif SOFTCAP or ALIBI:
+            s, _ = _modified_scores(qk, rows_f[:, None], cols_f[None, :], diag, qk_scale,
+                                    cap_in, cap_out, slope2, SOFTCAP, ALIBI)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             p = tl.math.exp2(qk * qk_scale - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            # the softmax sum counts every probability; only the output sees the dropped ones
+            p = tl.where(_dropout_keep(row_base + rows[:, None], cols[None, :], drop_p, seed_lo,
+                                       seed_hi, off_lo, off_hi), p, 0.0)
         v = _load_tile(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, seqlen_k,
                        offs_d, MASKED, HEAD_DIM, BLOCK_D)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
@@ -214,19 +358,23 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, lo, hi, r
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=_RUNTIME_INTS)
+@triton.jit(do_not_specialize=_RUNTIME_INTS + _FEATURE_INTS)
 def _fwd_kernel(
-    Q, K, V, Out, LSE,
+    Q, K, V, Out, LSE, Alibi, CuQ, CuK,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on,
     seqlen_q, seqlen_k, group, qk_scale,
+    win_left, win_right, cap_in, cap_out, stride_ab, drop_p, drop_scale, seed_lo, seed_hi,
+    off_lo, off_hi, total_q,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+    DROPOUT: tl.constexpr = False, VARLEN: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
-    if CAUSAL:
+    if CAUSAL or WINDOW:
         # the last row blocks see the most keys: start them first
         pid_m = tl.num_programs(0) - 1 - pid_m
     h = tl.program_id(1).to(tl.int64)
@@ -235,35 +383,81 @@ def _fwd_kernel(
     hk = h // group
 
     start_m = pid_m * BLOCK_M
+    if VARLEN:
+        # sequence b is rows cu[b]:cu[b + 1] of the packed tensors; the grid covers the longest
+        q_start = tl.load(CuQ + b)
+        seqlen_q = tl.load(CuQ + b + 1) - q_start
+        k_start = tl.load(CuK + b)
+        seqlen_k = tl.load(CuK + b + 1) - k_start
+        if start_m >= seqlen_q:
+            return
+        q_off = q_start.to(tl.int64) * stride_qn
+        k_off = k_start.to(tl.int64) * stride_kn
+        v_off = k_start.to(tl.int64) * stride_vn
+        o_off = q_start.to(tl.int64) * stride_on
+        row_base = h * total_q + q_start
+    else:
+        q_off = b * stride_qb
+        k_off = b * stride_kb
+        v_off = b * stride_vb
+        o_off = b * stride_ob
+        row_base = (b * heads_q + h) * seqlen_q
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q_base = Q + b * stride_qb + h * stride_qh
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    q_base = Q + q_off + h * stride_qh
+    k_base = K + k_off + hk * stride_kh
+    v_base = V + v_off + hk * stride_vh
     q = _load_tile(q_base + rows[:, None] * stride_qn + offs_d[None, :], rows, seqlen_q, offs_d,
                    True, HEAD_DIM, BLOCK_D)
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = tl.load(Alibi + b * stride_ab + h) * _LOG2E
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    full_end, end = _key_ranges(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, 0,
-                               full_end, rows, seqlen_q, seqlen_k, qk_scale, False, CAUSAL,
-                               HEAD_DIM, BLOCK_D, BLOCK_N)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, full_end,
-                               end, rows, seqlen_q, seqlen_k, qk_scale, True, CAUSAL, HEAD_DIM,
-                               BLOCK_D, BLOCK_N)
+    if WINDOW:
+        lo, full_lo, full_hi, hi = _band_ranges(start_m, seqlen_k - seqlen_q, win_left,
+                                                win_right, seqlen_k, BLOCK_M, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, lo,
+                                   full_lo, rows, seqlen_q, seqlen_k, qk_scale, win_left,
+                                   win_right, cap_in, cap_out, slope2, drop_p, row_base, seed_lo,
+                                   seed_hi, off_lo, off_hi, True, False, True, SOFTCAP, ALIBI,
+                                   DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+                                   full_lo, full_hi, rows, seqlen_q, seqlen_k, qk_scale, win_left,
+                                   win_right, cap_in, cap_out, slope2, drop_p, row_base, seed_lo,
+                                   seed_hi, off_lo, off_hi, False, False, True, SOFTCAP, ALIBI,
+                                   DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+                                   full_hi, hi, rows, seqlen_q, seqlen_k, qk_scale, win_left,
+                                   win_right, cap_in, cap_out, slope2, drop_p, row_base, seed_lo,
+                                   seed_hi, off_lo, off_hi, True, False, True, SOFTCAP, ALIBI,
+                                   DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_N)
+    else:
+        full_end, end = _key_ranges(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, 0,
+                                   full_end, rows, seqlen_q, seqlen_k, qk_scale, win_left,
+                                   win_right, cap_in, cap_out, slope2, drop_p, row_base, seed_lo,
+                                   seed_hi, off_lo, off_hi, False, CAUSAL, False, SOFTCAP, ALIBI,
+                                   DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+                                   full_end, end, rows, seqlen_q, seqlen_k, qk_scale, win_left,
+                                   win_right, cap_in, cap_out, slope2, drop_p, row_base, seed_lo,
+                                   seed_hi, off_lo, off_hi, True, CAUSAL, False, SOFTCAP, ALIBI,
+                                   DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_N)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    o_base = Out + b * stride_ob + h * stride_oh
+    if DROPOUT:
+        out = out * drop_scale
+    o_base = Out + o_off + h * stride_oh
     _store_tile(o_base + rows[:, None] * stride_on + offs_d[None, :],
                 out.to(Out.dtype.element_ty), rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * _LN2)
-    lse_base = LSE + (b * heads_q + h) * seqlen_q
-    tl.store(lse_base + rows, lse, mask=rows < seqlen_q)
+    tl.store(LSE + row_base + rows, lse, mask=rows < seqlen_q)
 
 
 # --------------------------------------------------------------------------------------------
@@ -296,15 +490,21 @@ def _bwd_preprocess(
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, cols, q_base, do_base, dq_base, lse_base, delta_base,
                     stride_qn, stride_don, stride_dqn, lo, hi, seqlen_q, seqlen_k, qk_scale, scale,
+                    win_left, win_right, cap_in, cap_out, slope2, drop_p, drop_scale, row_base,
+                    seed_lo, seed_hi, off_lo, off_hi,
                     MASK_ROWS: tl.constexpr, MASK_CAUSAL: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    MASK_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+                    ALIBI: tl.constexpr = False, DROPOUT: tl.constexpr = False):
     """Add the contribution of query rows [lo, hi) to the dK, dV tiles of key columns ``cols``.
     Works on transposed scores (keys x queries) so that no large tile is transposed."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     diag = seqlen_k - seqlen_q
+    cols_f = cols.to(tl.float32)
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
+        rows_f = rows.to(tl.float32)
         q = _load_tile(q_base + rows[:, None] * stride_qn + offs_d[None, :], rows, seqlen_q,
                        offs_d, MASK_ROWS, HEAD_DIM, BLOCK_D)
         do = _load_tile(do_base + rows[:, None] * stride_don + offs_d[None, :], rows, seqlen_q,
@@ -316,17 +516,37 @@ def _bwd_dkdv_inner(dk, dv, k, v, cols, q_base, do_base, dq_base, lse_base, delt
             lse2 = tl.load(lse_base + rows) * _LOG2E
             delta = tl.load(delta_base + rows)
         # P^T = exp(S^T - lse): probabilities recomputed from the forward's log-sum-exp
-        pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
-        if MASK_ROWS or MASK_CAUSAL:
+        if SOFTCAP or ALIBI:
+            sT, tT = _modified_scores(tl.dot(k, tl.trans(q)), rows_f[None, :], cols_f[:, None],
+                                      diag, qk_scale, cap_in, cap_out, slope2, SOFTCAP, ALIBI)
+            pT = tl.math.exp2(sT - lse2[None, :])
+        else:
+            pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
+        if MASK_ROWS or MASK_CAUSAL or MASK_WINDOW:
             keep = cols[:, None] >= 0
             if MASK_ROWS:
                 keep = keep & (rows[None, :] < seqlen_q)
             if MASK_CAUSAL:
                 keep = keep & (cols[:, None] <= rows[None, :] + diag)
+            if MASK_WINDOW:
+                keep = keep & (cols[:, None] <= rows[None, :] + diag + win_right)
+                keep = keep & (cols[:, None] >= rows[None, :] + diag - win_left)
             pT = tl.where(keep, pT, 0.0)
-        dv = tl.dot(pT.to(do.dtype), do, dv)
+        if DROPOUT:
+            kept = _dropout_keep(row_base + rows[None, :], cols[:, None], drop_p, seed_lo,
+                                 seed_hi, off_lo, off_hi)
+            # dV sees the kept probabilities (rescaled once at the end), dP the kept gradients
+            dv = tl.dot(tl.where(kept, pT, 0.0).to(do.dtype), do, dv)
+        else:
+            dv = tl.dot(pT.to(do.dtype), do, dv)
         dpT = tl.dot(v, tl.trans(do))
-        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+        if DROPOUT:
+            dpT = tl.where(kept, dpT * drop_scale, 0.0)
+        if SOFTCAP:
+            # d(cap tanh(x / cap)) / dx = 1 - tanh^2
+            dsT = (pT * (dpT - delta[None, :]) * (1.0 - tT * tT)).to(q.dtype)
+        else:
+            dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
         dk = tl.dot(dsT, q, dk)
         if DQ_ATOMIC:
             dq = tl.dot(tl.trans(dsT), k) * scale
@@ -339,9 +559,9 @@ def _bwd_dkdv_inner(dk, dv, k, v, cols, q_base, do_base, dq_base, lse_base, delt
     return dk, dv
 
 
-@triton.jit(do_not_specialize=_RUNTIME_INTS)
+@triton.jit(do_not_specialize=_RUNTIME_INTS + _FEATURE_INTS)
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC,
+    Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC, Alibi, CuQ, CuK,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -350,8 +570,12 @@ def _bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqn,
     seqlen_q, seqlen_k, group, qk_scale, scale,
+    win_left, win_right, cap_in, cap_out, stride_ab, drop_p, drop_scale, seed_lo, seed_hi,
+    off_lo, off_hi, total_q,
     CAUSAL: tl.constexpr, DQ_ATOMIC: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+    DROPOUT: tl.constexpr = False, VARLEN: tl.constexpr = False,
 ):
     """One program: BLOCK_N key rows of one kv head, dK and dV summed over the query heads of
     its group and over every query row that sees them."""
@@ -359,12 +583,34 @@ def _bwd_dkdv_kernel(
     hk = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     heads_q = tl.num_programs(1) * group
+    if VARLEN:
+        q_start = tl.load(CuQ + b)
+        seqlen_q = tl.load(CuQ + b + 1) - q_start
+        k_start = tl.load(CuK + b)
+        seqlen_k = tl.load(CuK + b + 1) - k_start
+        if start_n >= seqlen_k:
+            return
+        q_off = q_start.to(tl.int64) * stride_qn
+        do_off = q_start.to(tl.int64) * stride_don
+        dq_off = q_start.to(tl.int64) * stride_dqn
+        k_off = k_start.to(tl.int64) * stride_kn
+        v_off = k_start.to(tl.int64) * stride_vn
+        dk_off = k_start.to(tl.int64) * stride_dkn
+        dv_off = k_start.to(tl.int64) * stride_dvn
+    else:
+        q_off = b * stride_qb
+        do_off = b * stride_dob
+        dq_off = b * stride_dqb
+        k_off = b * stride_kb
+        v_off = b * stride_vb
+        dk_off = b * stride_dkb
+        dv_off = b * stride_dvb
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    k = _load_tile(K + b * stride_kb + hk * stride_kh + cols[:, None] * stride_kn + offs_d[None, :],
+    k = _load_tile(K + k_off + hk * stride_kh + cols[:, None] * stride_kn + offs_d[None, :],
                    cols, seqlen_k, offs_d, True, HEAD_DIM, BLOCK_D)
-    v = _load_tile(V + b * stride_vb + hk * stride_vh + cols[:, None] * stride_vn + offs_d[None, :],
+    v = _load_tile(V + v_off + hk * stride_vh + cols[:, None] * stride_vn + offs_d[None, :],
                    cols, seqlen_k, offs_d, True, HEAD_DIM, BLOCK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -381,104 +627,216 @@ def _bwd_dkdv_kernel(
         mid = 0
     rows_full_end = (seqlen_q // BLOCK_M) * BLOCK_M
     tail = tl.maximum(mid, rows_full_end)
+    if WINDOW:
+        # key j is seen by the query rows i with j - diag - right <= i <= j - diag + left: the
+        # same band with the roles of rows and keys swapped
+        w_lo, w_full_lo, w_full_hi, w_hi = _band_ranges(start_n, seqlen_q - seqlen_k, win_right,
+                                                        win_left, seqlen_q, BLOCK_N, BLOCK_M)
 
     for g in range(0, group):
         h = hk * group + g
-        q_base = Q + b * stride_qb + h * stride_qh
-        do_base = DO + b * stride_dob + h * stride_doh
-        dq_base = DQ_ACC + b * stride_dqb + h * stride_dqh
-        lse_base = LSE + (b * heads_q + h) * seqlen_q
-        delta_base = DELTA + (b * heads_q + h) * seqlen_q
-        if CAUSAL:
+        q_base = Q + q_off + h * stride_qh
+        do_base = DO + do_off + h * stride_doh
+        dq_base = DQ_ACC + dq_off + h * stride_dqh
+        if VARLEN:
+            row_base = h * total_q + q_start
+        else:
+            row_base = (b * heads_q + h) * seqlen_q
+        lse_base = LSE + row_base
+        delta_base = DELTA + row_base
+        slope2 = 0.0
+        if ALIBI:
+            slope2 = tl.load(Alibi + b * stride_ab + h) * _LOG2E
+        if WINDOW:
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, cols, q_base, do_base, dq_base, lse_base,
-                                     delta_base, stride_qn, stride_don, stride_dqn, lo,
-                                     tl.minimum(mid, seqlen_q), seqlen_q, seqlen_k, qk_scale,
-                                     scale, True, True, DQ_ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, cols, q_base, do_base, dq_base, lse_base,
-                                 delta_base, stride_qn, stride_don, stride_dqn, mid, rows_full_end,
-                                 seqlen_q, seqlen_k, qk_scale, scale, False, False, DQ_ATOMIC,
-                                 HEAD_DIM, BLOCK_D, BLOCK_M)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, cols, q_base, do_base, dq_base, lse_base,
-                                 delta_base, stride_qn, stride_don, stride_dqn, tail, seqlen_q,
-                                 seqlen_q, seqlen_k, qk_scale, scale, True, False, DQ_ATOMIC,
-                                 HEAD_DIM, BLOCK_D, BLOCK_M)
+                                     delta_base, stride_qn, stride_don, stride_dqn, w_lo,
+                                     w_full_lo, seqlen_q, seqlen_k, qk_scale, scale, win_left,
+                                     win_right, cap_in, cap_out, slope2, drop_p, drop_scale,
+                                     row_base, seed_lo, seed_hi, off_lo, off_hi, True, False,
+                                     DQ_ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, True, SOFTCAP, ALIBI,
+                                     DROPOUT)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, cols, q_base, do_base, dq_base, lse_base,
+                                     delta_base, stride_qn, stride_don, stride_dqn, w_full_lo,
+                                     w_full_hi, seqlen_q, seqlen_k, qk_scale, scale, win_left,
+                                     win_right, cap_in, cap_out, slope2, drop_p, drop_scale,
+                                     row_base, seed_lo, seed_hi, off_lo, off_hi, False, False,
+                                     DQ_ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, False, SOFTCAP, ALIBI,
+                                     DROPOUT)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, cols, q_base, do_base, dq_base, lse_base,
+                                     delta_base, stride_qn, stride_don, stride_dqn, w_full_hi,
+                                     w_hi, seqlen_q, seqlen_k, qk_scale, scale, win_left,
+                                     win_right, cap_in, cap_out, slope2, drop_p, drop_scale,
+                                     row_base, seed_lo, seed_hi, off_lo, off_hi, True, False,
+                                     DQ_ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, True, SOFTCAP, ALIBI,
+                                     DROPOUT)
+        else:
+            if CAUSAL:
+                dk, dv = _bwd_dkdv_inner(dk, dv, k, v, cols, q_base, do_base, dq_base, lse_base,
+                                         delta_base, stride_qn, stride_don, stride_dqn, lo,
+                                         tl.minimum(mid, seqlen_q), seqlen_q, seqlen_k, qk_scale,
+                                         scale, win_left, win_right, cap_in, cap_out, slope2,
+                                         drop_p, drop_scale, row_base, seed_lo, seed_hi, off_lo,
+                                         off_hi, True, True, DQ_ATOMIC, HEAD_DIM, BLOCK_D,
+                                         BLOCK_M, False, SOFTCAP, ALIBI, DROPOUT)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, cols, q_base, do_base, dq_base, lse_base,
+                                     delta_base, stride_qn, stride_don, stride_dqn, mid,
+                                     rows_full_end, seqlen_q, seqlen_k, qk_scale, scale, win_left,
+                                     win_right, cap_in, cap_out, slope2, drop_p, drop_scale,
+                                     row_base, seed_lo, seed_hi, off_lo, off_hi, False, False,
+                                     DQ_ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, False, SOFTCAP, ALIBI,
+                                     DROPOUT)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, cols, q_base, do_base, dq_base, lse_base,
+                                     delta_base, stride_qn, stride_don, stride_dqn, tail,
+                                     seqlen_q, seqlen_q, seqlen_k, qk_scale, scale, win_left,
+                                     win_right, cap_in, cap_out, slope2, drop_p, drop_scale,
+                                     row_base, seed_lo, seed_hi, off_lo, off_hi, True, False,
+                                     DQ_ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, False, SOFTCAP, ALIBI,
+                                     DROPOUT)
 
     dk = dk * scale
-    _store_tile(DK + b * stride_dkb + hk * stride_dkh + cols[:, None] * stride_dkn + offs_d[None, :],
+    if DROPOUT:
+        dv = dv * drop_scale
+    _store_tile(DK + dk_off + hk * stride_dkh + cols[:, None] * stride_dkn + offs_d[None, :],
                 dk.to(DK.dtype.element_ty), cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D)
-    _store_tile(DV + b * stride_dvb + hk * stride_dvh + cols[:, None] * stride_dvn + offs_d[None, :],
+    _store_tile(DV + dv_off + hk * stride_dvh + cols[:, None] * stride_dvn + offs_d[None, :],
                 dv.to(DV.dtype.element_ty), cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
 def _bwd_dq_inner(dq, q, do, lse2, delta, rows, k_base, v_base, stride_kn, stride_vn, lo, hi,
-                  seqlen_q, seqlen_k, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                  seqlen_q, seqlen_k, qk_scale, win_left, win_right, cap_in, cap_out, slope2,
+                  drop_p, drop_scale, row_base, seed_lo, seed_hi, off_lo, off_hi,
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = False,
+                  SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+                  DROPOUT: tl.constexpr = False):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     diag = seqlen_k - seqlen_q
+    rows_f = rows.to(tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
+        cols_f = cols.to(tl.float32)
         k = _load_tile(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, seqlen_k,
                        offs_d, MASKED, HEAD_DIM, BLOCK_D)
         v = _load_tile(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, seqlen_k,
                        offs_d, MASKED, HEAD_DIM, BLOCK_D)
-        p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
+        if SOFTCAP or ALIBI:
+            s, t = _modified_scores(tl.dot(q, tl.trans(k)), rows_f[:, None], cols_f[None, :],
+                                    diag, qk_scale, cap_in, cap_out, slope2, SOFTCAP, ALIBI)
+            p = tl.math.exp2(s - lse2[:, None])
+        else:
+            p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
         if MASKED:
-            keep = cols[None, :] < seqlen_k
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= rows[:, None] + diag)
+            keep = _visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, diag, win_left,
+                            win_right, False, True, CAUSAL, WINDOW)
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, tl.trans(v))
-        ds = (p * (dp - delta[:, None])).to(k.dtype)
+        if DROPOUT:
+            kept = _dropout_keep(row_base + rows[:, None], cols[None, :], drop_p, seed_lo,
+                                 seed_hi, off_lo, off_hi)
+            dp = tl.where(kept, dp * drop_scale, 0.0)
+        if SOFTCAP:
+            ds = (p * (dp - delta[:, None]) * (1.0 - t * t)).to(k.dtype)
+        else:
+            ds = (p * (dp - delta[:, None])).to(k.dtype)
         dq = tl.dot(ds, k, dq)
     return dq
 
 
-@triton.jit(do_not_specialize=_RUNTIME_INTS)
+@triton.jit(do_not_specialize=_RUNTIME_INTS + _FEATURE_INTS)
 def _bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA,
+    Q, K, V, DO, DQ, LSE, DELTA, Alibi, CuQ, CuK,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don,
     stride_dqb, stride_dqh, stride_dqn,
     seqlen_q, seqlen_k, group, qk_scale, scale,
+    win_left, win_right, cap_in, cap_out, stride_ab, drop_p, drop_scale, seed_lo, seed_hi,
+    off_lo, off_hi, total_q,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+    DROPOUT: tl.constexpr = False, VARLEN: tl.constexpr = False,
 ):
     """One program: BLOCK_M query rows of one head; streams the keys it sees (no atomics)."""
     pid_m = tl.program_id(0)
-    if CAUSAL:
+    if CAUSAL or WINDOW:
         pid_m = tl.num_programs(0) - 1 - pid_m
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     heads_q = tl.num_programs(1)
     hk = h // group
     start_m = pid_m * BLOCK_M
+    if VARLEN:
+        q_start = tl.load(CuQ + b)
+        seqlen_q = tl.load(CuQ + b + 1) - q_start
+        k_start = tl.load(CuK + b)
+        seqlen_k = tl.load(CuK + b + 1) - k_start
+        if start_m >= seqlen_q:
+            return
+        q_off = q_start.to(tl.int64) * stride_qn
+        do_off = q_start.to(tl.int64) * stride_don
+        dq_off = q_start.to(tl.int64) * stride_dqn
+        k_off = k_start.to(tl.int64) * stride_kn
+        v_off = k_start.to(tl.int64) * stride_vn
+        row_base = h * total_q + q_start
+    else:
+        q_off = b * stride_qb
+        do_off = b * stride_dob
+        dq_off = b * stride_dqb
+        k_off = b * stride_kb
+        v_off = b * stride_vb
+        row_base = (b * heads_q + h) * seqlen_q
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q = _load_tile(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + offs_d[None, :],
+    q = _load_tile(Q + q_off + h * stride_qh + rows[:, None] * stride_qn + offs_d[None, :],
                    rows, seqlen_q, offs_d, True, HEAD_DIM, BLOCK_D)
-    do = _load_tile(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_don
+    do = _load_tile(DO + do_off + h * stride_doh + rows[:, None] * stride_don
                     + offs_d[None, :], rows, seqlen_q, offs_d, True, HEAD_DIM, BLOCK_D)
-    row_base = (b * heads_q + h) * seqlen_q
     lse2 = tl.load(LSE + row_base + rows, mask=rows < seqlen_q, other=0.0) * _LOG2E
     delta = tl.load(DELTA + row_base + rows, mask=rows < seqlen_q, other=0.0)
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = tl.load(Alibi + b * stride_ab + h) * _LOG2E
 
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    k_base = K + k_off + hk * stride_kh
+    v_base = V + v_off + hk * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    full_end, end = _key_ranges(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, rows, k_base, v_base, stride_kn, stride_vn, 0,
-                       full_end, seqlen_q, seqlen_k, qk_scale, False, CAUSAL, HEAD_DIM, BLOCK_D,
-                       BLOCK_N)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, rows, k_base, v_base, stride_kn, stride_vn,
-                       full_end, end, seqlen_q, seqlen_k, qk_scale, True, CAUSAL, HEAD_DIM,
-                       BLOCK_D, BLOCK_N)
+    if WINDOW:
+        lo, full_lo, full_hi, hi = _band_ranges(start_m, seqlen_k - seqlen_q, win_left,
+                                                win_right, seqlen_k, BLOCK_M, BLOCK_N)
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, rows, k_base, v_base, stride_kn, stride_vn,
+                           lo, full_lo, seqlen_q, seqlen_k, qk_scale, win_left, win_right,
+                           cap_in, cap_out, slope2, drop_p, drop_scale, row_base, seed_lo,
+                           seed_hi, off_lo, off_hi, True, False, HEAD_DIM, BLOCK_D, BLOCK_N,
+                           True, SOFTCAP, ALIBI, DROPOUT)
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, rows, k_base, v_base, stride_kn, stride_vn,
+                           full_lo, full_hi, seqlen_q, seqlen_k, qk_scale, win_left, win_right,
+                           cap_in, cap_out, slope2, drop_p, drop_scale, row_base, seed_lo,
+                           seed_hi, off_lo, off_hi, False, False, HEAD_DIM, BLOCK_D, BLOCK_N,
+                           True, SOFTCAP, ALIBI, DROPOUT)
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, rows, k_base, v_base, stride_kn, stride_vn,
+                           full_hi, hi, seqlen_q, seqlen_k, qk_scale, win_left, win_right,
+                           cap_in, cap_out, slope2, drop_p, drop_scale, row_base, seed_lo,
+                           seed_hi, off_lo, off_hi, True, False, HEAD_DIM, BLOCK_D, BLOCK_N,
+                           True, SOFTCAP, ALIBI, DROPOUT)
+    else:
+        full_end, end = _key_ranges(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, rows, k_base, v_base, stride_kn, stride_vn,
+                           0, full_end, seqlen_q, seqlen_k, qk_scale, win_left, win_right,
+                           cap_in, cap_out, slope2, drop_p, drop_scale, row_base, seed_lo,
+                           seed_hi, off_lo, off_hi, False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N,
+                           False, SOFTCAP, ALIBI, DROPOUT)
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, rows, k_base, v_base, stride_kn, stride_vn,
+                           full_end, end, seqlen_q, seqlen_k, qk_scale, win_left, win_right,
+                           cap_in, cap_out, slope2, drop_p, drop_scale, row_base, seed_lo,
+                           seed_hi, off_lo, off_hi, True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N,
+                           False, SOFTCAP, ALIBI, DROPOUT)
     dq = dq * scale
-    _store_tile(DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + offs_d[None, :],
+    _store_tile(DQ + dq_off + h * stride_dqh + rows[:, None] * stride_dqn + offs_d[None, :],
                 dq.to(DQ.dtype.element_ty), rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D)
 
 
@@ -521,52 +879,246 @@ def _strides(t) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def _packed_strides(t) -> tuple[int, int, int]:
+    """(batch, head, row) strides of a packed (total, heads, head_dim) tensor: no batch stride
+    (the kernels find each sequence's first row from cu_seqlens)."""
+    if t.stride(-1) != 1:
+        raise ValueError(f"the last dimension must be contiguous, got strides {tuple(t.stride())}")
+    return 0, t.stride(1), t.stride(0)
+
+
 def _dtype_name(t) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
-def _fwd_plan(q, k, v, out, lse, cfg: FwdConfig, causal: bool, scale: float) -> _Launch:
-    batch, heads_q, seqlen_q, head_dim = q.shape
-    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+def _int32_words(value: int) -> tuple[int, int]:
+    """A 64-bit unsigned value as two int32 kernel arguments (low, high), each the bit pattern
+    of one 32-bit word (so the arguments keep one type, and one compiled kernel, for any
+    value)."""
+    value &= (1 << 64) - 1
+
+    def signed(word: int) -> int:
+        return word - (1 << 32) if word >= 1 << 31 else word
+
+    return signed(value & 0xFFFFFFFF), signed(value >> 32)
+
+
+@dataclass(frozen=True)
+class _Features:
+    """The features of one call, normalised for the kernels: the mask kind (CAUSAL is the plain
+    causal kernel; WINDOW a band with both sides explicit), the runtime arguments, and the
+    extra tensors (``None`` where off)."""
+
+    causal: bool = False
+    window: bool = False
+    win_left: int = 0
+    win_right: int = 0
+    softcap: float = 0.0
+    alibi: object = None
+    dropout_p: float = 0.0
+    seed: int = 0
+    offset: int = 0
+    cu_seqlens_q: object = None
+    cu_seqlens_k: object = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    @property
+    def tag(self) -> str:
+        """The features on, joined by '+' ('' for the plain kernels)."""
+        names = (("window", self.window), ("softcap", self.softcap > 0),
+                 ("alibi", self.alibi is not None), ("dropout", self.dropout_p > 0),
+                 ("varlen", self.varlen))
+        return "+".join(name for name, on in names if on)
+
+    def constexprs(self) -> dict:
+        return dict(WINDOW=self.window, SOFTCAP=self.softcap > 0, ALIBI=self.alibi is not None,
+                    DROPOUT=self.dropout_p > 0, VARLEN=self.varlen)
+
+    def runtime_args(self, scale: float, total_q: int) -> tuple:
+        """(win_left, win_right, cap_in, cap_out, stride_ab, drop_p, drop_scale, seed_lo,
+        seed_hi, off_lo, off_hi, total_q), in the kernels' order."""
+        cap = self.softcap
+        cap_in, cap_out = (scale / cap, cap * LOG2E) if cap > 0 else (0.0, 0.0)
+        stride_ab = 0
+        if self.alibi is not None and len(self.alibi.shape) == 2:
+            stride_ab = self.alibi.stride(0)
+        p = self.dropout_p
+        drop_scale = 1.0 / (1.0 - p) if p > 0 else 1.0
+        return (self.win_left, self.win_right, cap_in, cap_out, stride_ab, float(p), drop_scale,
+                *_int32_words(self.seed), *_int32_words(self.offset), total_q)
+
+
+def _normalise_window(causal: bool, window, seqlen_q: int, seqlen_k: int) -> tuple[bool, bool, int, int]:
+    """(causal, window, left, right) for the kernels from the caller's ``causal`` and
+    ``window=(left, right)`` (-1: unlimited). ``causal`` sets right = 0. A side wide enough to
+    reach past every key (at these lengths, or these maximum lengths for varlen) is
+    unlimited; what is left is the plain kernel (no window), the causal kernel (left unlimited,
+    right 0) or the band kernel, where an unlimited side becomes a bound no key reaches."""
+    left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
+    if left < -1 or right < -1:
+        raise ValueError(f"window sides must be >= 0 or -1 (unlimited), got {(left, right)}")
+    if causal:
+        right = 0
+    if left >= seqlen_k - 1:
+        left = -1
+    if right >= seqlen_q - 1 and not causal:
+        right = -1
+    if left == -1 and right == -1:
+        return False, False, 0, 0
+    if left == -1 and right == 0:
+        return True, False, 0, 0
+    unlimited = seqlen_q + seqlen_k + 1
+    return (False, True, unlimited if left == -1 else left, unlimited if right == -1 else right)
+
+
+def _features(q, k, *, causal, window, softcap, alibi_slopes, dropout_p, seed, offset,
+              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> _Features:
+    """Check and normalise the feature arguments of a call (q, k already shape-checked: dense
+    (B, H, N, D) when cu_seqlens_q is None, else packed (total, H, D))."""
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if varlen:
+        if cu_seqlens_q is None or cu_seqlens_k is None or max_seqlen_q is None or max_seqlen_k is None:
+            raise ValueError("varlen needs cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k")
+        # (the values are trusted, as reading them would synchronise with the device: the API
+        # checks that they start at 0, do not decrease, end at the totals and fit max_seqlen)
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if cu.dtype != torch.int32 or cu.dim() != 1 or not cu.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous 1-d int32 tensor, got {cu.dtype} "
+                                 f"{tuple(cu.shape)}")
+            if cu.device != q.device:
+                raise ValueError(f"{name} is on {cu.device}, q on {q.device}")
+            if cu.shape[0] < 1:
+                raise ValueError(f"{name} must have batch + 1 entries")
+        if cu_seqlens_q.shape != cu_seqlens_k.shape:
+            raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k "
+                             f"{tuple(cu_seqlens_k.shape)} must have the same length")
+        if int(max_seqlen_q) < 0 or int(max_seqlen_k) < 0:
+            raise ValueError("max_seqlen_q and max_seqlen_k must be >= 0")
+        batch = cu_seqlens_q.shape[0] - 1
+        nq, nk = int(max_seqlen_q), int(max_seqlen_k)
+    else:
+        batch, nq, nk = q.shape[0], q.shape[2], k.shape[2]
+    heads_q = q.shape[1]
+    is_causal, is_window, left, right = _normalise_window(bool(causal), window, nq, nk)
+    softcap = float(softcap or 0.0)
+    if not softcap >= 0 or math.isinf(softcap):
+        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap}")
+    if alibi_slopes is not None:
+        if alibi_slopes.dtype != torch.float32:
+            raise ValueError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+        if tuple(alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
+            raise ValueError(f"alibi_slopes must be ({heads_q},) or ({batch}, {heads_q}), got "
+                             f"{tuple(alibi_slopes.shape)}")
+        if alibi_slopes.stride(-1) != 1:
+            raise ValueError("alibi_slopes must have a contiguous last dimension")
+        if alibi_slopes.device != q.device:
+            raise ValueError(f"alibi_slopes is on {alibi_slopes.device}, q on {q.device}")
+    p = float(dropout_p or 0.0)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
+    return _Features(
+        causal=is_causal, window=is_window, win_left=left, win_right=right, softcap=softcap,
+        alibi=alibi_slopes, dropout_p=p, seed=int(seed), offset=int(offset),
+        cu_seqlens_q=cu_seqlens_q if varlen else None,
+        cu_seqlens_k=cu_seqlens_k if varlen else None,
+        max_seqlen_q=nq if varlen else 0, max_seqlen_k=nk if varlen else 0,
+    )
+
+
+def _label(cfg_name: str, kind: str, dtype: str, head_dim: int, causal: bool,
+           feat: _Features) -> tuple:
+    label = (cfg_name, kind, dtype, head_dim, causal)
+    return label + (feat.tag,) if feat.tag else label
+
+
+def _extras(feat: _Features, dummy) -> tuple:
+    """The Alibi, CuQ and CuK pointer arguments (``dummy`` where a feature is off: never
+    read)."""
+    return (dummy if feat.alibi is None else feat.alibi,
+            dummy if feat.cu_seqlens_q is None else feat.cu_seqlens_q,
+            dummy if feat.cu_seqlens_k is None else feat.cu_seqlens_k)
+
+
+def _fwd_plan(q, k, v, out, lse, cfg: FwdConfig, causal: bool, scale: float,
+              feat: _Features | None = None) -> _Launch:
+    if feat is None:
+        feat = _Features(causal=causal)
+    if feat.varlen:
+        total_q, heads_q, head_dim = q.shape
+        heads_kv = k.shape[1]
+        batch = feat.cu_seqlens_q.shape[0] - 1
+        seqlen_q, seqlen_k = feat.max_seqlen_q, feat.max_seqlen_k
+        strides = _packed_strides
+    else:
+        batch, heads_q, seqlen_q, head_dim = q.shape
+        heads_kv, seqlen_k = k.shape[1], k.shape[2]
+        total_q = 0
+        strides = _strides
+    causal = feat.causal
     return _Launch(
         _fwd_kernel,
         (triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch),
-        (cfg.name, "fwd", _dtype_name(q), head_dim, causal),
-        (q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-         seqlen_q, seqlen_k, heads_q // heads_kv, scale * LOG2E),
+        _label(cfg.name, "fwd", _dtype_name(q), head_dim, causal, feat),
+        (q, k, v, out, lse, *_extras(feat, lse), *strides(q), *strides(k), *strides(v),
+         *strides(out), seqlen_q, seqlen_k, heads_q // heads_kv, scale * LOG2E,
+         *feat.runtime_args(scale, total_q)),
         dict(CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
-             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-             num_stages=cfg.num_stages),
+             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **feat.constexprs(),
+             num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )
 
 
 def _bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, delta, dq_acc, cfg: BwdConfig, causal: bool,
-              scale: float) -> list[_Launch]:
+              scale: float, feat: _Features | None = None) -> list[_Launch]:
     """The backward's launches in order: row sums, dK/dV (with atomic dQ into ``dq_acc``, or
     not), then the dQ kernel when dQ is not atomic."""
-    batch, heads_q, seqlen_q, head_dim = q.shape
-    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    if feat is None:
+        feat = _Features(causal=causal)
+    if feat.varlen:
+        total_q, heads_q, head_dim = q.shape
+        heads_kv = k.shape[1]
+        batch = feat.cu_seqlens_q.shape[0] - 1
+        seqlen_q, seqlen_k = feat.max_seqlen_q, feat.max_seqlen_k
+        strides = _packed_strides
+        # the row sums see the packed rows as one sequence of total_q rows
+        pre_grid = (triton.cdiv(total_q, _PRE_BLOCK_M), heads_q, 1)
+        pre_rows = total_q
+    else:
+        batch, heads_q, seqlen_q, head_dim = q.shape
+        heads_kv, seqlen_k = k.shape[1], k.shape[2]
+        total_q = 0
+        strides = _strides
+        pre_grid = (triton.cdiv(seqlen_q, _PRE_BLOCK_M), heads_q, batch)
+        pre_rows = seqlen_q
+    causal = feat.causal
     group = heads_q // heads_kv
     block_d = padded_head_dim(head_dim)
     dtype = _dtype_name(q)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    extras = _extras(feat, lse)
+    runtime = feat.runtime_args(scale, total_q)
     plans = [
         _Launch(
             _bwd_preprocess,
-            (triton.cdiv(seqlen_q, _PRE_BLOCK_M), heads_q, batch),
+            pre_grid,
             ("bwd_preprocess", "bwd", dtype, head_dim),
-            (out, dout, delta, *_strides(out), *_strides(dout), seqlen_q),
+            (out, dout, delta, *strides(out), *strides(dout), pre_rows),
             dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=_PRE_BLOCK_M, num_warps=_PRE_WARPS),
         ),
         _Launch(
             _bwd_dkdv_kernel,
             (triton.cdiv(seqlen_k, cfg.block_n), heads_kv, batch),
-            (cfg.name, "bwd_dkdv", dtype, head_dim, causal),
-            (q, k, v, dout, dk, dv, lse, delta, dq_acc, *_strides(q), *_strides(k), *_strides(v),
-             *_strides(dout), *_strides(dk), *_strides(dv), *_strides(dq_acc), seqlen_q, seqlen_k,
-             group, scale * LOG2E, scale),
+            _label(cfg.name, "bwd_dkdv", dtype, head_dim, causal, feat),
+            (q, k, v, dout, dk, dv, lse, delta, dq_acc, *extras, *strides(q), *strides(k),
+             *strides(v), *strides(dout), *strides(dk), *strides(dv), *strides(dq_acc),
+             seqlen_q, seqlen_k, group, scale * LOG2E, scale, *runtime),
             dict(CAUSAL=causal, DQ_ATOMIC=cfg.dq_atomic, HEAD_DIM=head_dim, BLOCK_D=block_d,
-                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **launch),
+                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **feat.constexprs(), **launch),
         ),
     ]
     if not cfg.dq_atomic:
@@ -574,32 +1126,63 @@ def _bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, delta, dq_acc, cfg: BwdConfig
         plans.append(_Launch(
             _bwd_dq_kernel,
             (triton.cdiv(seqlen_q, cfg.block_n), heads_q, batch),
-            (cfg.name, "bwd_dq", dtype, head_dim, causal),
-            (q, k, v, dout, dq, lse, delta, *_strides(q), *_strides(k), *_strides(v),
-             *_strides(dout), *_strides(dq), seqlen_q, seqlen_k, group, scale * LOG2E, scale),
+            _label(cfg.name, "bwd_dq", dtype, head_dim, causal, feat),
+            (q, k, v, dout, dq, lse, delta, *extras, *strides(q), *strides(k), *strides(v),
+             *strides(dout), *strides(dq), seqlen_q, seqlen_k, group, scale * LOG2E, scale,
+             *runtime),
             dict(CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_n,
-                 BLOCK_N=cfg.block_m, **launch),
+                 BLOCK_N=cfg.block_m, **feat.constexprs(), **launch),
         ))
     return plans
 
 
+def _problem_features(problem, dummy_alibi, dummy_cu) -> _Features:
+    """The features of ``problem`` (fields of docs/FEATURES.md, read with defaults so that a
+    Problem without them is plain), with stand-ins for the extra tensors."""
+    varlen = bool(getattr(problem, "varlen", False))
+    left = int(getattr(problem, "window_left", -1))
+    right = int(getattr(problem, "window_right", -1))
+    window = None if (left, right) == (-1, -1) else (left, right)
+    causal, is_window, wl, wr = _normalise_window(bool(problem.causal), window, problem.seqlen_q,
+                                                  problem.seqlen_k)
+    return _Features(
+        causal=causal, window=is_window, win_left=wl, win_right=wr,
+        softcap=1.0 if getattr(problem, "softcap", False) else 0.0,
+        alibi=dummy_alibi if getattr(problem, "alibi", False) else None,
+        dropout_p=0.1 if getattr(problem, "dropout", False) else 0.0,
+        cu_seqlens_q=dummy_cu if varlen else None, cu_seqlens_k=dummy_cu if varlen else None,
+        max_seqlen_q=problem.seqlen_q if varlen else 0,
+        max_seqlen_k=problem.seqlen_k if varlen else 0,
+    )
+
+
 def _spec_plans(problem, cfg: Config) -> list[_Launch]:
-    """The launches of ``cfg`` for ``problem`` with contiguous (B, H, N, D) stand-ins: the
-    same specialisation as the (B, N, H, D) layout whenever head_dim is a multiple of 16."""
+    """The launches of ``cfg`` for ``problem`` with contiguous (B, H, N, D) stand-ins (packed
+    (total, H, D) ones for varlen): the same specialisation as the (B, N, H, D) layout
+    whenever head_dim is a multiple of 16."""
     dtype = getattr(torch, problem.dtype)
     f32 = torch.float32
     b, hq, hk, nq, nk, d = (problem.batch, problem.heads_q, problem.heads_kv, problem.seqlen_q,
                             problem.seqlen_k, problem.head_dim)
-
-    q, out = _Spec(dtype, (b, hq, nq, d)), _Spec(dtype, (b, hq, nq, d))
-    k, v = _Spec(dtype, (b, hk, nk, d)), _Spec(dtype, (b, hk, nk, d))
-    lse = _Spec(f32, (b, hq, nq))
+    feat = _problem_features(problem, _Spec(f32, (hq,)), _Spec(torch.int32, (b + 1,)))
+    if feat.varlen:
+        tq = int(getattr(problem, "total_q", 0) or b * nq)
+        tk = int(getattr(problem, "total_k", 0) or b * nk)
+        q, out = _Spec(dtype, (tq, hq, d)), _Spec(dtype, (tq, hq, d))
+        k, v = _Spec(dtype, (tk, hk, d)), _Spec(dtype, (tk, hk, d))
+        lse = _Spec(f32, (hq, tq))
+        acc_shape = (tq, hq, d)
+    else:
+        q, out = _Spec(dtype, (b, hq, nq, d)), _Spec(dtype, (b, hq, nq, d))
+        k, v = _Spec(dtype, (b, hk, nk, d)), _Spec(dtype, (b, hk, nk, d))
+        lse = _Spec(f32, (b, hq, nq))
+        acc_shape = (b, hq, nq, d)
     causal = bool(problem.causal)
     if cfg.op == "fwd":
-        return [_fwd_plan(q, k, v, out, lse, cfg, causal, 1.0)]
-    dq_acc = _Spec(f32, (b, hq, nq, d)) if cfg.dq_atomic else q
-    return _bwd_plan(q, q, k, v, out, lse, q, k, v, _Spec(f32, (b, hq, nq)), dq_acc, cfg, causal,
-                     1.0)
+        return [_fwd_plan(q, k, v, out, lse, cfg, causal, 1.0, feat)]
+    dq_acc = _Spec(f32, acc_shape) if cfg.dq_atomic else q
+    return _bwd_plan(q, q, k, v, out, lse, q, k, v, _Spec(f32, lse.shape), dq_acc, cfg, causal,
+                     1.0, feat)
 
 
 # --------------------------------------------------------------------------------------------
@@ -643,13 +1226,21 @@ def _run(plan: _Launch, warmup: bool = False) -> float | None:
     return seconds
 
 
-def _check_shapes(q, k, v) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError("q, k, v must be (batch, heads, seqlen, head_dim) views")
-    batch, heads_q, _, head_dim = q.shape
-    heads_kv = k.shape[1]
-    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim:
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+def _check_shapes(q, k, v, varlen: bool = False) -> None:
+    if varlen:
+        if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+            raise ValueError("varlen q, k, v must be packed (total_tokens, heads, head_dim) tensors")
+        _, heads_q, head_dim = q.shape
+        heads_kv = k.shape[1]
+        if k.shape != v.shape or k.shape[2] != head_dim:
+            raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    else:
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+            raise ValueError("q, k, v must be (batch, heads, seqlen, head_dim) views")
+        batch, heads_q, _, head_dim = q.shape
+        heads_kv = k.shape[1]
+        if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim:
+            raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv})")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in DTYPE_NAMES:
@@ -663,31 +1254,66 @@ def _as_config(config: Config | str, op: str) -> Config:
     return cfg
 
 
+def _lse_rows(q, varlen: bool) -> tuple[int, ...]:
+    """The log-sum-exp's shape: (batch, heads_q, seqlen_q), or (heads_q, total_q) for varlen."""
+    return (q.shape[1], q.shape[0]) if varlen else tuple(q.shape[:3])
+
+
 def attention_forward(q, k, v, out, lse=None, *, config: FwdConfig | str, causal: bool,
-                      scale: float) -> torch.Tensor:
+                      scale: float, window=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                      dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
+                      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                      max_seqlen_k=None, deterministic: bool = False) -> torch.Tensor:
     """Write softmax(scale * q k^T) v into ``out`` and return the float32 log-sum-exp
-    (batch, heads_q, seqlen_q) (written into ``lse`` when given, which must be contiguous)."""
+    (batch, heads_q, seqlen_q) (written into ``lse`` when given, which must be contiguous).
+
+    Features (docs/FEATURES.md): ``window=(left, right)`` (-1 unlimited, bottom-right aligned;
+    ``causal`` sets right = 0), ``softcap`` > 0, ``alibi_slopes`` (fp32 (Hq,) or (B, Hq)),
+    ``dropout_p`` with ``seed``/``offset`` (see :func:`dropout_mask`), and varlen: packed
+    (total, H, D) q/k/v/out with int32 ``cu_seqlens_q``/``cu_seqlens_k`` and the maximum
+    lengths; the log-sum-exp is then (heads_q, total_q). ``deterministic`` is accepted and
+    changes nothing: the forward has no atomics, every config is reproducible."""
+    del deterministic
     cfg = _as_config(config, "fwd")
-    _check_shapes(q, k, v)
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    _check_shapes(q, k, v, varlen)
     if out.shape != q.shape or out.dtype != q.dtype:
         raise ValueError(f"out must match q: {tuple(out.shape)} {out.dtype}")
     if not scale > 0:
         raise ValueError(f"scale must be positive, got {scale}")
-    rows = q.shape[:3]
+    feat = _features(q, k, causal=causal, window=window, softcap=softcap,
+                     alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset,
+                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    rows = _lse_rows(q, varlen)
     if lse is None:
         lse = torch.empty(rows, device=q.device, dtype=torch.float32)
-    elif lse.shape != rows or lse.dtype != torch.float32 or not lse.is_contiguous():
-        raise ValueError("lse must be a contiguous float32 (batch, heads_q, seqlen_q) tensor")
-    _run(_fwd_plan(q, k, v, out, lse, cfg, bool(causal), scale))
+    elif tuple(lse.shape) != rows or lse.dtype != torch.float32 or not lse.is_contiguous():
+        raise ValueError(f"lse must be a contiguous float32 {rows} tensor")
+    if q.shape[0] == 0 or (varlen and feat.max_seqlen_q == 0):
+        return lse
+    _run(_fwd_plan(q, k, v, out, lse, cfg, bool(causal), scale, feat))
     return lse
 
 
 def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, *, config: BwdConfig | str,
-                       causal: bool, scale: float) -> None:
+                       causal: bool, scale: float, window=(-1, -1), softcap: float = 0.0,
+                       alibi_slopes=None, dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
+                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                       max_seqlen_k=None, deterministic: bool = False) -> None:
     """Write the gradients of the forward into ``dq``, ``dk``, ``dv`` (any strides with a
-    contiguous last dimension; dk/dv have kv heads, summed over each GQA group)."""
+    contiguous last dimension; dk/dv have kv heads, summed over each GQA group). The feature
+    arguments must be those of the forward (dropout regenerates its mask from seed and offset).
+    ``deterministic=True`` needs a config without atomic dQ (then the gradients are bitwise
+    reproducible: every sum has a fixed order)."""
     cfg = _as_config(config, "bwd")
-    _check_shapes(q, k, v)
+    if deterministic and cfg.dq_atomic:
+        raise ValueError(
+            f"{cfg.name} adds dQ with float atomics, whose order varies run to run: "
+            f"deterministic=True needs a config without _dqatomic (e.g. "
+            f"{cfg.name.removesuffix('_dqatomic')})")
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    _check_shapes(q, k, v, varlen)
     for name, grad, ref in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v), ("dout", dout, q),
                             ("out", out, q)):
         if grad.shape != ref.shape or grad.dtype != ref.dtype:
@@ -695,22 +1321,57 @@ def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, *, config: BwdConfig
                              f"{tuple(grad.shape)} {grad.dtype} vs {tuple(ref.shape)} {ref.dtype}")
     if not scale > 0:
         raise ValueError(f"scale must be positive, got {scale}")
+    feat = _features(q, k, causal=causal, window=window, softcap=softcap,
+                     alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset,
+                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    rows = q.shape[:3]
+    rows = _lse_rows(q, varlen)
     lse = lse.to(torch.float32).contiguous()
-    if lse.shape != rows:
-        raise ValueError(f"lse must be (batch, heads_q, seqlen_q), got {tuple(lse.shape)}")
+    if tuple(lse.shape) != rows:
+        raise ValueError(f"lse must be {rows}, got {tuple(lse.shape)}")
+    if varlen and (feat.max_seqlen_q == 0 or feat.max_seqlen_k == 0):
+        # no query or no key anywhere: every gradient is zero (otherwise every row of every
+        # sequence is written, zero where it sees nothing)
+        dq.zero_()
+        dk.zero_()
+        dv.zero_()
+        return
+    if q.shape[0] == 0:
+        return
     delta = torch.empty(rows, device=q.device, dtype=torch.float32)
     if cfg.dq_atomic:
         dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     else:
         dq_acc = dq  # not read by the kernel; any tensor of the right kind
     for plan in _bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, delta, dq_acc, cfg, bool(causal),
-                          scale):
+                          scale, feat):
         _run(plan)
     if cfg.dq_atomic:
         dq.copy_(dq_acc)
+
+
+def dropout_mask(shape, dropout_p: float, seed: int, offset: int, *, device=None) -> torch.Tensor:
+    """The keep mask the kernels apply for ``dropout_p``, ``seed`` and ``offset``: a bool tensor
+    of ``shape``, True where a probability is kept (then scaled by 1 / (1 - dropout_p)).
+    ``shape`` is the log-sum-exp's shape plus the keys: (B, Hq, Nq, Nk) for dense attention,
+    (Hq, total_q, max_seqlen_k) for varlen, where row r of sequence b and key j (counted from
+    the sequence's first key) is ``mask[h, r, j]``."""
+    *rows_shape, ncols = (int(s) for s in shape)
+    nrows = math.prod(rows_shape)
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
+    if device is None:
+        device = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+    keep = torch.empty((nrows, ncols), dtype=torch.int8, device=device)
+    if keep.numel():
+        block_m, block_n = (16, 16) if INTERPRET else (64, 64)
+        grid = (triton.cdiv(nrows, block_m), triton.cdiv(ncols, block_n))
+        _dropout_mask_kernel[grid](keep, nrows, ncols, p, *_int32_words(int(seed)),
+                                   *_int32_words(int(offset)), BLOCK_M=block_m, BLOCK_N=block_n)
+    return keep.view(torch.bool).reshape(*rows_shape, ncols)
 
 
 # --------------------------------------------------------------------------------------------

@@ -208,6 +208,11 @@ def config_reasons(cfg: Config, problem: Problem, device: DeviceInfo | None) -> 
     if cfg.op != problem.op:
         reasons.append(f"{cfg.name} is a {cfg.op} config, the problem is {problem.op}")
         return reasons
+    if getattr(problem, "deterministic", False) and getattr(cfg, "dq_atomic", False):
+        reasons.append(
+            f"{cfg.name}: adds dQ with float atomics, whose order varies run to run; a "
+            "deterministic backward needs a config without _dqatomic"
+        )
     d = problem.head_dim
     regs = cfg.acc_regs(d)
     if regs > _MAX_ACC_REGS:
