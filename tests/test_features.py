@@ -176,9 +176,9 @@ def test_dropout_mask_statistics_and_replay():
     plain = sparktune.attention(q, k, v, backend="reference").double()
     mean = sum(
         sparktune.attention(q, k, v, dropout_p=0.5, generator=g, backend="reference").double()
-        for _ in range(300)
-    ) / 300
-    assert (mean - plain).abs().mean() < 0.05
+        for _ in range(100)
+    ) / 100
+    assert (mean - plain).abs().mean() < 0.08
 
 
 def test_deterministic_backward_is_bitwise_reproducible_on_the_reference():
@@ -482,3 +482,84 @@ def test_explain_shows_the_features_in_the_key():
     assert ":w3/-1:softcap:alibi:dropout" in text
     bwd = sparktune.explain(q, k=k, op="bwd", deterministic=True)
     assert bwd.problem.deterministic and ":det" in str(bwd)
+
+
+# --------------------------------------------------------------------------- the torch backend
+
+
+@pytest.mark.parametrize(
+    "config,kw",
+    [
+        ("math", dict(window=(4, 2))),
+        ("math", dict(causal=True, window=(3, -1), alibi="bh")),
+        ("auto", dict(alibi="h")),
+        ("auto", dict(causal=True, window=(0, -1))),
+        ("flex", dict(softcap=2.0)),
+        ("flex", dict(causal=True, window=(5, -1), softcap=3.0, alibi="h")),
+        ("flex", dict(window=(2, 6), alibi="bh")),
+    ],
+)
+@pytest.mark.parametrize("shape", [(2, 4, 2, 19, 13, 16), (1, 2, 1, 7, 24, 16)])
+def test_torch_backend_features_forward_and_gradients(config, kw, shape):
+    kw = dict(kw)
+    b, hq = shape[:2]
+    if "alibi" in kw:
+        kw["alibi_slopes"] = torch.rand(hq) if kw.pop("alibi") == "h" else torch.rand(b, hq)
+    q, k, v = _inputs(shape, torch.float16, grad=True)
+    out, lse = sparktune.attention(q, k, v, backend="torch", config=config, return_lse=True, **kw)
+    want, want_lse = oracle(q, k, v, **_oracle_kw(kw))
+    torch.testing.assert_close(out.double(), want, atol=3e-3, rtol=0)
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    finite = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse.double()[finite], want_lse[finite], atol=2e-3, rtol=1e-3)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    wants = torch.autograd.grad(want, (q, k, v), dout.double())
+    for name, g, w in zip("qkv", grads, wants, strict=True):
+        torch.testing.assert_close(
+            g.double(), w.double(), atol=3e-2, rtol=0, msg=lambda m, n=name: f"d{n}: {m}"
+        )
+
+
+def test_torch_configs_name_the_features_they_lack():
+    from sparktune.backends.torch_sdpa import TorchSDPABackend
+
+    tb = TorchSDPABackend()
+    softcap = _problem(softcap=True)
+    assert tb.not_supported_reasons(softcap, "math") == ["math does not take the feature 'softcap'"]
+    assert tb.not_supported_reasons(softcap, "flash") == ["flash does not take the feature 'softcap'"]
+    assert tb.not_supported_reasons(softcap, "flex") == []
+    assert "for problems with features only" in tb.not_supported_reasons(_problem(), "flex")[0]
+    assert tb.not_supported_reasons(_problem(dropout=True), "flex") == [
+        "flex does not take the feature 'dropout'"
+    ]
+    assert tb.runnable_reasons(_problem(dropout=True)) == [
+        "backend 'torch' does not support the feature 'dropout'"
+    ]
+    assert tb.default_config(_problem(window_left=3)) == "math"
+    assert tb.default_config(softcap) == "flex"
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True, window=(2, -1), softcap=2.0), dict(alibi="bh")])
+def test_varlen_on_flex(kw):
+    cq = torch.tensor([0, 6, 6, 19, 21], dtype=torch.int32)
+    ck = torch.tensor([0, 9, 11, 15, 15], dtype=torch.int32)
+    hq, hk, d = 4, 2, 16
+    kw = dict(kw)
+    if "alibi" in kw:
+        kw.pop("alibi")
+        kw["alibi_slopes"] = torch.rand(4, hq)
+    q = torch.randn(21, hq, d, dtype=torch.float16, requires_grad=True)
+    k = torch.randn(15, hk, d, dtype=torch.float16, requires_grad=True)
+    v = torch.randn(15, hk, d, dtype=torch.float16, requires_grad=True)
+    out, lse = sparktune.varlen_attention(
+        q, k, v, cq, ck, 13, 9, backend="torch", config="flex", return_lse=True, **kw
+    )
+    want, want_lse = varlen_oracle(q, k, v, cq, ck, **_oracle_kw(kw))
+    torch.testing.assert_close(out.double(), want, atol=3e-3, rtol=0)
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    wants = torch.autograd.grad(want, (q, k, v), dout.double())
+    for g, w in zip(grads, wants, strict=True):
+        torch.testing.assert_close(g.double(), w.double(), atol=3e-2, rtol=0)
