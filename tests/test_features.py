@@ -563,3 +563,29 @@ def test_varlen_on_flex(kw):
     wants = torch.autograd.grad(want, (q, k, v), dout.double())
     for g, w in zip(grads, wants, strict=True):
         torch.testing.assert_close(g.double(), w.double(), atol=3e-2, rtol=0)
+
+
+def test_triton_features_follow_the_kernel_signatures(monkeypatch):
+    import types
+
+    from sparktune.backends import triton as tb
+
+    def fwd(q, k, v, out, lse=None, *, config, causal, scale, window=(-1, -1), softcap=0.0):
+        pass
+
+    def bwd(dout, q, k, v, out, lse, dq, dk, dv, *, config, causal, scale, window=(-1, -1),
+            softcap=0.0, alibi_slopes=None, deterministic=False):
+        pass
+
+    monkeypatch.setattr(tb, "_kernels", lambda: types.SimpleNamespace(
+        attention_forward=fwd, attention_backward=bwd))
+    monkeypatch.setattr(tb, "_triton_import_error", lambda: None)
+    tb.kernel_features.cache_clear()
+    try:
+        # alibi only in the backward: not declared
+        assert tb.TritonBackend().features == {"window", "softcap", "deterministic"}
+    finally:
+        tb.kernel_features.cache_clear()
+    monkeypatch.undo()
+    assert isinstance(tb.TritonBackend().features, frozenset)
+    tb.kernel_features.cache_clear()

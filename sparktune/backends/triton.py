@@ -71,6 +71,42 @@ def _kernels():
     return triton_attn
 
 
+#: feature name -> the keyword arguments both kernel functions must take for it (the
+#: backward alone for "deterministic"), docs/FEATURES.md
+_FEATURE_ARGS = {
+    "window": ("window",),
+    "softcap": ("softcap",),
+    "alibi": ("alibi_slopes",),
+    "dropout": ("dropout_p", "seed", "offset"),
+    "varlen": ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"),
+}
+
+
+@functools.cache
+def kernel_features() -> frozenset[str]:
+    """The features the Triton kernels take, read from the signatures of
+    ``attention_forward``/``attention_backward`` (empty when they cannot be imported): a
+    feature is declared once both functions accept its keyword arguments."""
+    if _triton_import_error() is not None:
+        return frozenset()
+    import inspect
+
+    try:
+        kernels = _kernels()
+        fwd = inspect.signature(kernels.attention_forward).parameters
+        bwd = inspect.signature(kernels.attention_backward).parameters
+    except Exception:  # noqa: BLE001 - kernels that cannot be inspected take no feature
+        return frozenset()
+    names = {
+        name
+        for name, args in _FEATURE_ARGS.items()
+        if all(a in fwd and a in bwd for a in args)
+    }
+    if "deterministic" in bwd:
+        names.add("deterministic")
+    return frozenset(names)
+
+
 def _problem_reasons(problem: Problem, device: DeviceInfo | None) -> list[str]:
     reasons = []
     if device is None:
@@ -94,6 +130,11 @@ class TritonBackend(Backend):
 
     name = "triton"
     tunable = True
+
+    @property
+    def features(self) -> frozenset[str]:  # type: ignore[override]
+        """What the installed kernels take (:func:`kernel_features`)."""
+        return kernel_features()
 
     def unavailable_reasons(self) -> list[str]:
         error = _triton_import_error()
@@ -149,10 +190,15 @@ class TritonBackend(Backend):
         causal: bool,
         scale: float,
         need_lse: bool = True,
+        **features: object,
     ) -> torch.Tensor | None:
         kernels = _kernels()
         _check_device(kernels, q)
         with _on_device(q):
+            if features:
+                return kernels.attention_forward(
+                    q, k, v, out, config=config, causal=causal, scale=scale, **features
+                )
             return kernels.attention_forward(q, k, v, out, config=config, causal=causal, scale=scale)
 
     def backward(
@@ -170,12 +216,14 @@ class TritonBackend(Backend):
         config: str,
         causal: bool,
         scale: float,
+        **features: object,
     ) -> None:
         kernels = _kernels()
         _check_device(kernels, q)
         with _on_device(q):
             kernels.attention_backward(
-                dout, q, k, v, out, lse, dq, dk, dv, config=config, causal=causal, scale=scale
+                dout, q, k, v, out, lse, dq, dk, dv, config=config, causal=causal, scale=scale,
+                **features,
             )
 
     def warmup(
