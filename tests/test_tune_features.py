@@ -90,3 +90,57 @@ def test_workload_inputs_of_a_varlen_problem_are_packed():
     t = w.inputs(0)
     assert t["q"].shape == (60, 4, 16) and t["k"].shape == (90, 2, 16) and t["lse"].shape == (4, 60)
     assert isinstance(Backend, type)
+
+
+# --------------------------------------------------------------------------- CLI and recipes
+
+
+def _cli_problems(*argv):
+    from sparktune.cli import build_parser
+    from sparktune.cli import tune as tune_cli
+
+    return tune_cli.problems_from_args(build_parser().parse_args(["tune", *argv]))[0]
+
+
+def test_tune_cli_feature_flags_make_the_problems():
+    fwd, bwd = _cli_problems("--seqlen", "4096", "--heads", "8", "--causal", "--window", "1024", "0",
+                             "--softcap", "--alibi", "--dropout", "--deterministic")
+    assert (fwd.op, fwd.window, fwd.softcap, fwd.alibi, fwd.dropout, fwd.deterministic) == (
+        "fwd", (1024, -1), True, True, True, False)
+    assert bwd.op == "bwd" and bwd.deterministic and bwd.window == (1024, -1)
+    (p,) = _cli_problems("--heads", "8", "--varlen", "4096,1024,0,2048", "--op", "fwd", "--window", "128", "128")
+    assert (p.varlen, p.batch, p.seqlen_q, p.seqlen_k, p.total_q, p.total_k) == (True, 4, 4096, 4096, 7168, 7168)
+    assert p.window == (128, 128)
+    (p,) = _cli_problems("--heads", "8", "--varlen", "100,50", "--varlen-k", "200,300", "--op", "fwd")
+    assert (p.seqlen_q, p.seqlen_k, p.total_q, p.total_k) == (100, 300, 150, 500)
+    # a window wider than the sequences masks nothing: the plain problem
+    (p,) = _cli_problems("--seqlen", "512", "--heads", "8", "--window", "4096", "-1", "--op", "fwd")
+    assert not p.features
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--seqlen", "64", "--heads", "2", "--window", "-3", "0"], "window left must be >= 0, or -1"),
+        (["--seqlen", "64", "--heads", "2", "--deterministic", "--op", "fwd"], "property of the backward"),
+        (["--heads", "2", "--varlen", "4,x"], "--varlen must be comma-separated integers"),
+        (["--heads", "2", "--varlen", "4,5", "--varlen-k", "3"], "2 query lengths and 1 key lengths"),
+        (["--seqlen", "64", "--heads", "2", "--varlen-k", "3"], "--varlen-k needs --varlen"),
+    ],
+)
+def test_tune_cli_bad_feature_flags(argv, match):
+    with pytest.raises(ValueError, match=match):
+        _cli_problems(*argv)
+
+
+def test_recipe_feature_fields():
+    from sparktune.tune import RecipeError, parse_recipe
+
+    r = parse_recipe(
+        "name: feats\nshapes:\n  - {seqlen: 4096, heads: 8, head_dim: 128, causal: true,"
+        " window_left: [1024, -1], softcap: true, deterministic: true}\n"
+    )
+    keys = sorted((p.op, p.window, p.softcap, p.deterministic) for p in r.problems)
+    assert keys == [("bwd", (-1, -1), True, True), ("bwd", (1024, -1), True, True)]
+    with pytest.raises(RecipeError, match="window_left: expected an integer >= 0, or -1"):
+        parse_recipe("name: x\nshapes:\n  - {seqlen: 64, heads: 2, head_dim: 64, window_left: -4}\n")
