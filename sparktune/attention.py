@@ -151,7 +151,8 @@ def attention(
         or alibi_slopes is not None
         or dropout_p is not OFF
         or deterministic is not False
-    ):  # a feature may be on: its own path (a plain call pays these identity checks alone)
+    ) and not _all_off(window, softcap, alibi_slopes, dropout_p, deterministic):
+        # a feature is on: its own path (a plain call pays the identity checks alone)
         return _with_features(
             q, k, v, causal, scale, layout, backend, config, allow_fp16_accum, return_lse,
             window, softcap, alibi_slopes, dropout_p, generator, deterministic,
@@ -197,17 +198,34 @@ def attention(
     return (out, lse) if return_lse else out
 
 
+def _all_off(window: Any, softcap: Any, alibi_slopes: Any, dropout_p: Any, deterministic: Any) -> bool:
+    """The feature arguments given explicitly with their "off" values (anything unusual is
+    left to the checks of the feature path)."""
+    return (
+        alibi_slopes is None
+        and deterministic is False
+        and type(window) is tuple
+        and window == NO_WINDOW
+        and type(softcap) in (int, float)
+        and softcap == 0
+        and type(dropout_p) in (int, float)
+        and dropout_p == 0
+    )
+
+
 def _needs_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
+@torch.compiler.disable
 def _with_features(
     q: Any, k: Any, v: Any, causal: Any, scale: Any, layout: Any, backend: Any, config: Any,
     allow_fp16_accum: Any, return_lse: Any, window: Any, softcap: Any, alibi_slopes: Any,
     dropout_p: Any, generator: Any, deterministic: Any,
 ) -> Any:  # fmt: skip
     """:func:`attention` with features: checked, planned for the problem with them, and run
-    through sparktune's autograd function when gradients are needed."""
+    through sparktune's autograd function when gradients are needed. (Under torch.compile it
+    runs eagerly, a graph break: the custom ops do not take the features yet.)"""
     sizes = quick_sizes(q, k, v, layout)
     if sizes is None:
         sizes = checked_sizes(q, k, v, layout)
@@ -240,6 +258,7 @@ def _seed_offset(features: Any, device: torch.device, count: int) -> tuple[int, 
     return draw_seed_offset(features.generator, device, count)
 
 
+@torch.compiler.disable
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -589,3 +589,15 @@ def test_triton_features_follow_the_kernel_signatures(monkeypatch):
     monkeypatch.undo()
     assert isinstance(tb.TritonBackend().features, frozenset)
     tb.kernel_features.cache_clear()
+
+
+def test_features_under_torch_compile_run_eagerly_and_match():
+    q, k, v = _inputs((1, 2, 2, 9, 9, 16), torch.float16)
+
+    def f(q, k, v):
+        plain = sparktune.attention(q, k, v, causal=True, window=(-1, -1), softcap=0.0)
+        return plain, sparktune.attention(q, k, v, causal=True, window=(3, -1), softcap=2.0)
+
+    compiled = torch.compile(f, backend="eager")
+    for got, want in zip(compiled(q, k, v), f(q, k, v), strict=True):
+        assert torch.equal(got, want)
