@@ -182,8 +182,9 @@ class Problem(_CachedHash):
         return self.heads_q // self.heads_kv
 
     def flops(self) -> float:
-        """FLOPs as FlashAttention counts them: 4*B*H*Nq*Nk*D forward (halved when causal and
-        square), backward 2.5x forward."""
+        """FLOPs as FlashAttention counts them: 4*B*H*Nq*Nk*D forward (halved when causal),
+        backward 2.5x forward; with a window or varlen, 4*B*H*D times the visible (query, key)
+        pairs (varlen: of sequences of the mean lengths)."""
         if not self._features or self._features <= {"softcap", "alibi", "dropout", "deterministic"}:
             f = 4.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
             if self.causal:

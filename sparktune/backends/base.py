@@ -77,6 +77,14 @@ class Backend(ABC):
         :meth:`forward`'s output bit for bit (else :meth:`forward` stays). None: not for
         these inputs.
 
+    Attention features (docs/FEATURES.md): a backend that declares some in :attr:`features`
+    receives them as keyword arguments of :meth:`forward` and :meth:`backward`, only those
+    that are on (``window``, ``softcap``, ``alibi_slopes``, ``dropout_p`` with ``seed`` and
+    ``offset``, ``deterministic`` for the backward, and for packed batches ``cu_seqlens_q``,
+    ``cu_seqlens_k``, ``max_seqlen_q``, ``max_seqlen_k`` with (total, H, D) tensors and an
+    (Hq, total_q) log-sum-exp). Problems with features are run through :meth:`forward` (the
+    optional hooks below serve plain problems).
+
     ``warmup(problem, configs=None, *, processes=1)``
         Compile ``configs`` for ``problem`` ahead of time (backends that compile on first use);
         the tuner calls it before a study with the candidates it will measure, and ignores
