@@ -26,6 +26,7 @@ from ._checks import (
     SUPPORTED_DTYPES,
     check_cu_seqlens,
     check_features,
+    check_scale,
     check_varlen_inputs,
     checked_sizes,
     draw_seed_offset,
@@ -35,7 +36,7 @@ from ._checks import (
 from ._execute import run_config, run_features
 from ._hits import remember
 from ._hits import table as _hits
-from ._ops import traced_attention
+from ._ops import traced_attention, traced_features
 from ._plan import FALLBACK_BACKENDS, plan_for
 
 __all__ = ["attention", "varlen_attention", "LAYOUTS", "SUPPORTED_DTYPES"]
@@ -217,15 +218,17 @@ def _needs_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
-@torch.compiler.disable
 def _with_features(
     q: Any, k: Any, v: Any, causal: Any, scale: Any, layout: Any, backend: Any, config: Any,
     allow_fp16_accum: Any, return_lse: Any, window: Any, softcap: Any, alibi_slopes: Any,
     dropout_p: Any, generator: Any, deterministic: Any,
 ) -> Any:  # fmt: skip
     """:func:`attention` with features: checked, planned for the problem with them, and run
-    through sparktune's autograd function when gradients are needed. (Under torch.compile it
-    runs eagerly, a graph break: the custom ops do not take the features yet.)"""
+    through sparktune's autograd function when gradients are needed. Under torch.compile the
+    checks run while tracing and the call becomes the custom op
+    ``sparktune::attention_features_fwd``; with dropout it runs eagerly (a graph break: the
+    mask's seed and offset are drawn from the generator per call, which a graph cannot hold).
+    """
     sizes = quick_sizes(q, k, v, layout)
     if sizes is None:
         sizes = checked_sizes(q, k, v, layout)
@@ -240,6 +243,29 @@ def _with_features(
             q, k, v, causal=causal, scale=scale, layout=layout, backend=backend, config=config,
             allow_fp16_accum=allow_fp16_accum, return_lse=return_lse,
         )  # fmt: skip
+    if _is_compiling():
+        if features.dropout_p:
+            return _eager_features(
+                q, k, v, sizes, features, causal, scale, layout, backend, config,
+                allow_fp16_accum, return_lse,
+            )  # fmt: skip
+        if scale is not None:
+            scale = check_scale(scale, sizes[5])
+        return traced_features(
+            q, k, v, features, causal, scale, layout, backend, config, allow_fp16_accum,
+            return_lse,
+        )  # fmt: skip
+    return _run_with_features(
+        q, k, v, sizes, features, causal, scale, layout, backend, config, allow_fp16_accum,
+        return_lse,
+    )  # fmt: skip
+
+
+def _run_with_features(
+    q: Any, k: Any, v: Any, sizes: Any, features: Any, causal: Any, scale: Any, layout: Any,
+    backend: Any, config: Any, allow_fp16_accum: Any, return_lse: Any,
+) -> Any:  # fmt: skip
+    b, hq, _, nq, nk, _, _, dev = sizes
     plan, source = plan_for(
         sizes, causal, scale, layout, backend, config, allow_fp16_accum, features
     )
@@ -250,6 +276,10 @@ def _with_features(
     else:
         out, lse = run_features(plan, q, k, v, bool(return_lse), kwargs)
     return (out, lse) if return_lse else out
+
+
+#: :func:`_run_with_features` outside a compiler's graph (dropout under torch.compile)
+_eager_features = torch.compiler.disable(_run_with_features)
 
 
 def _seed_offset(features: Any, device: torch.device, count: int) -> tuple[int, int]:

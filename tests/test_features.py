@@ -591,13 +591,57 @@ def test_triton_features_follow_the_kernel_signatures(monkeypatch):
     tb.kernel_features.cache_clear()
 
 
-def test_features_under_torch_compile_run_eagerly_and_match():
-    q, k, v = _inputs((1, 2, 2, 9, 9, 16), torch.float16)
+def test_features_under_torch_compile_become_the_feature_op_in_one_graph():
+    q, k, v = _inputs((1, 4, 2, 9, 11, 16), torch.float16, grad=True)
+    slopes = torch.rand(4)
 
     def f(q, k, v):
         plain = sparktune.attention(q, k, v, causal=True, window=(-1, -1), softcap=0.0)
-        return plain, sparktune.attention(q, k, v, causal=True, window=(3, -1), softcap=2.0)
+        feat = sparktune.attention(
+            q, k, v, causal=True, window=(3, -1), softcap=2.0, alibi_slopes=slopes
+        )
+        return plain, feat
 
-    compiled = torch.compile(f, backend="eager")
-    for got, want in zip(compiled(q, k, v), f(q, k, v), strict=True):
-        assert torch.equal(got, want)
+    torch._dynamo.reset()
+    try:
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm.code)
+            return gm.forward
+
+        compiled = torch.compile(f, backend=backend, fullgraph=True)
+        got, want = compiled(q, k, v), f(q, k, v)
+        assert any("attention_features_fwd" in g for g in graphs)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+        ga = torch.autograd.grad(got[1].sum(), (q, k, v))
+        gb = torch.autograd.grad(want[1].sum(), (q, k, v))
+        for a, b in zip(ga, gb, strict=True):
+            assert torch.equal(a, b)
+        # dropout runs eagerly (a graph break), with a mask per call
+        g = torch.Generator().manual_seed(5)
+        drop = torch.compile(
+            lambda q, k, v: sparktune.attention(q, k, v, dropout_p=0.5, generator=g, backend="reference"),
+            backend="eager",
+        )
+        with torch.no_grad():
+            assert not torch.equal(drop(q, k, v), drop(q, k, v))
+    finally:
+        torch._dynamo.reset()
+
+
+def test_opcheck_the_feature_op():
+    from sparktune import _ops
+
+    q, k, v = _inputs((1, 4, 2, 7, 9, 16), torch.float16, grad=True)
+    args = (q, k, v, torch.rand(4), [2, -1], 2.0, False, True, None, "bhnd", "reference", None,
+            False, True)
+    result = torch.library.opcheck(
+        torch.ops.sparktune.attention_features_fwd.default, args,
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
+    assert all(v == "SUCCESS" for v in result.values()), result
+    out, lse = _ops.attention_features_fwd(*args)
+    want, want_lse = oracle(q, k, v, causal=True, window=(2, -1), softcap=2.0, alibi=args[3])
+    torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=0)
