@@ -279,7 +279,7 @@ def _run_with_features(
 
 
 #: :func:`_run_with_features` outside a compiler's graph (dropout under torch.compile)
-_eager_features = torch.compiler.disable(_run_with_features)
+_eager_features = torch._disable_dynamo(_run_with_features)
 
 
 def _seed_offset(features: Any, device: torch.device, count: int) -> tuple[int, int]:
@@ -288,7 +288,9 @@ def _seed_offset(features: Any, device: torch.device, count: int) -> tuple[int, 
     return draw_seed_offset(features.generator, device, count)
 
 
-@torch.compiler.disable
+# torch._disable_dynamo: torch.compiler.disable that imports Dynamo (and Triton) only when
+# called, so that importing sparktune stays light
+@torch._disable_dynamo
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
