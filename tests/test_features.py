@@ -645,3 +645,70 @@ def test_opcheck_the_feature_op():
     out, lse = _ops.attention_features_fwd(*args)
     want, want_lse = oracle(q, k, v, causal=True, window=(2, -1), softcap=2.0, alibi=args[3])
     torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=0)
+
+
+# --------------------------------------------------------------------------- on a GPU
+
+
+def _gpu_backends_with(feature):
+    out = []
+    for name in ("triton", "torch"):
+        try:
+            b = registry.get_backend(name)
+        except Exception:  # noqa: BLE001
+            continue
+        if feature in b.features and not b.unavailable_reasons():
+            out.append(name)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(causal=True, window=(64, -1)),
+        dict(causal=True, softcap=5.0),
+        dict(causal=True, alibi=True),
+        dict(window=(32, 16), softcap=3.0, alibi=True),
+    ],
+)
+def test_gpu_backends_with_the_features_match_the_definition(kw):
+    kw = dict(kw)
+    b, hq, hk, n, d = 2, 8, 2, 300, 64
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = torch.rand(hq, device="cuda")
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for h in (hq, hk, hk))
+    needed = {"window" if "window" in kw else None, "softcap" if "softcap" in kw else None,
+              "alibi" if "alibi_slopes" in kw else None} - {None}
+    names = [n_ for n_ in ("triton", "torch") if all(n_ in _gpu_backends_with(f) for f in needed)]
+    cpu = [t.detach().cpu().requires_grad_() for t in (q, k, v)]
+    okw = _oracle_kw({k2: (v2.cpu() if isinstance(v2, torch.Tensor) else v2) for k2, v2 in kw.items()})
+    want, _ = oracle(*cpu, **okw)
+    dout = torch.randn_like(want)
+    wants = torch.autograd.grad(want, cpu, dout)
+    for name in names:
+        out = sparktune.attention(q, k, v, backend=name, **kw)
+        torch.testing.assert_close(out.double().cpu(), want, atol=2e-2, rtol=0)
+        grads = torch.autograd.grad(out, (q, k, v), dout.to(out))
+        for g, w in zip(grads, wants, strict=True):
+            torch.testing.assert_close(g.double().cpu(), w.double(), atol=5e-2, rtol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_dropout_is_statistical_and_replays():
+    q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+               for _ in range(3))
+    g = torch.Generator(device="cuda").manual_seed(11)
+    state = g.get_state()
+    out = sparktune.attention(q, k, v, dropout_p=0.3, generator=g)
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    g.set_state(state)
+    again = sparktune.attention(q, k, v, dropout_p=0.3, generator=g)
+    assert torch.equal(out, again)  # the same (seed, offset): the same mask
+    assert all(torch.equal(a, b) for a, b in zip(grads, torch.autograd.grad(again.float().sum(), (q, k, v)), strict=True))
+    other = sparktune.attention(q, k, v, dropout_p=0.3, generator=g)
+    assert not torch.equal(out, other)  # the generator advanced
+    plain = sparktune.attention(q, k, v).double()
+    mean = sum(sparktune.attention(q, k, v, dropout_p=0.3, generator=g).double() for _ in range(64)) / 64
+    assert (mean - plain).abs().mean().item() < 0.05
