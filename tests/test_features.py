@@ -712,3 +712,15 @@ def test_gpu_dropout_is_statistical_and_replays():
     plain = sparktune.attention(q, k, v).double()
     mean = sum(sparktune.attention(q, k, v, dropout_p=0.3, generator=g).double() for _ in range(64)) / 64
     assert (mean - plain).abs().mean().item() < 0.05
+
+
+def test_triton_refuses_dq_atomic_configs_for_deterministic_backwards():
+    from sparktune.backends.triton import TritonBackend
+
+    tb = TritonBackend()
+    det = _problem(op="bwd", deterministic=True)
+    reasons = tb.not_supported_reasons(det, "tbwd_m64n128_w8s2_dqatomic")
+    assert any("not bitwise reproducible" in r for r in reasons)
+    assert not any(
+        "bitwise" in r for r in tb.not_supported_reasons(det, "tbwd_m64n128_w8s2")
+    )

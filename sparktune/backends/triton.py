@@ -172,12 +172,22 @@ class TritonBackend(Backend):
             cfg = parse_config(config)
         except ValueError as exc:
             return [*reasons, str(exc)]
+        if problem.deterministic and getattr(cfg, "dq_atomic", False):
+            reasons.append(
+                "dQ accumulates with float atomics: gradients not bitwise reproducible "
+                "(deterministic=True)"
+            )
         return [*reasons, *config_reasons(cfg, problem, device)]
 
     def default_config(self, problem: Problem, device: DeviceInfo | None = None) -> str | None:
         if self.unavailable_reasons() or _problem_reasons(problem, device):
             return None
-        return default_config_name(problem, device)
+        name = default_config_name(problem, device)
+        if name is not None and problem.deterministic and self.not_supported_reasons(problem, name, device):
+            # the heuristic's choice accumulates dQ with atomics: the first config that does not
+            cands = self.candidates(problem, device)
+            return cands[0].config if cands else None
+        return name
 
     def forward(
         self,
