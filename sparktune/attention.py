@@ -12,6 +12,7 @@ ops for ``torch.compile`` (:mod:`sparktune._ops`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -24,6 +25,7 @@ from ._checks import (
     NO_WINDOW,
     OFF,
     SUPPORTED_DTYPES,
+    Features,
     check_cu_seqlens,
     check_features,
     check_scale,
@@ -218,6 +220,14 @@ def _needs_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
+#: the calls with features seen: key (the call's shapes, strides, dtypes, devices and
+#: arguments; ALiBi's shape, strides, dtype and device, not its values) -> (dispatch
+#: generation, plan, source, window, softcap, dropout_p), so that a repeated call skips the
+#: checks and dispatch (the slopes and generator are the call's own)
+_feature_hits: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+_FEATURE_HITS_MAX = 1024
+
+
 def _with_features(
     q: Any, k: Any, v: Any, causal: Any, scale: Any, layout: Any, backend: Any, config: Any,
     allow_fp16_accum: Any, return_lse: Any, window: Any, softcap: Any, alibi_slopes: Any,
@@ -229,6 +239,32 @@ def _with_features(
     ``sparktune::attention_features_fwd``; with dropout it runs eagerly (a graph break: the
     mask's seed and offset are drawn from the generator per call, which a graph cannot hold).
     """
+    compiling = _is_compiling()
+    key = hit = None
+    if not compiling:
+        try:  # what the checks and dispatch read (ALiBi's layout, not its values)
+            key = (
+                q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
+                v.dtype, q.device, k.device, v.device, causal, type(scale), scale, layout,
+                backend, config, allow_fp16_accum, return_lse, type(window), window,
+                type(softcap), softcap, type(dropout_p), dropout_p, generator is None,
+                deterministic,
+                None if alibi_slopes is None else (
+                    alibi_slopes.shape, alibi_slopes.stride(), alibi_slopes.dtype,
+                    alibi_slopes.device,
+                ),
+            )  # fmt: skip
+            hit = _feature_hits.get(key)
+        except Exception:  # noqa: BLE001 - not tensors, or unhashable arguments: checked below
+            key = None
+        if hit is not None and hit[0] == dispatch.generation:
+            _, plan, source, w, cap, p = hit
+            pb = plan.problem
+            slopes = alibi_slopes
+            if slopes is not None and slopes.dim() == 1:
+                slopes = slopes.expand(pb.batch, pb.heads_q)
+            features = Features(w, cap, slopes, p, generator if p else None, deterministic)
+            return _run_plan(q, k, v, plan, source, features, return_lse)
     sizes = quick_sizes(q, k, v, layout)
     if sizes is None:
         sizes = checked_sizes(q, k, v, layout)
@@ -243,7 +279,7 @@ def _with_features(
             q, k, v, causal=causal, scale=scale, layout=layout, backend=backend, config=config,
             allow_fp16_accum=allow_fp16_accum, return_lse=return_lse,
         )  # fmt: skip
-    if _is_compiling():
+    if compiling:
         if features.dropout_p:
             return _eager_features(
                 q, k, v, sizes, features, causal, scale, layout, backend, config,
@@ -255,27 +291,50 @@ def _with_features(
             q, k, v, features, causal, scale, layout, backend, config, allow_fp16_accum,
             return_lse,
         )  # fmt: skip
-    return _run_with_features(
-        q, k, v, sizes, features, causal, scale, layout, backend, config, allow_fp16_accum,
-        return_lse,
-    )  # fmt: skip
+    generation = dispatch.generation
+    plan, source = plan_for(
+        sizes, causal, scale, layout, backend, config, allow_fp16_accum, features
+    )
+    if key is not None and generation == dispatch.generation:
+        # the plan keeps the features without the call's tensors (its backward reads only
+        # whether the call asked for deterministic gradients)
+        static = Features(
+            features.window, features.softcap, None, features.dropout_p, None,
+            features.deterministic,
+        )  # fmt: skip
+        plan = dataclasses.replace(plan, features=static)
+        if len(_feature_hits) >= _FEATURE_HITS_MAX:
+            _feature_hits.clear()
+        _feature_hits[key] = (
+            generation, plan, source, features.window, features.softcap, features.dropout_p,
+        )  # fmt: skip
+    return _run_plan(q, k, v, plan, source, features, return_lse)
+
+
+def _run_plan(
+    q: Any, k: Any, v: Any, plan: Any, source: str, features: Any, return_lse: Any
+) -> Any:
+    """Run a call with features on its plan (dropout's seed and offset drawn here)."""
+    counts[source] += 1
+    p = plan.problem
+    kwargs = features.kwargs(
+        *_seed_offset(features, q.device, p.batch * p.heads_q * p.seqlen_q * p.seqlen_k)
+    )
+    if _needs_grad(q, k, v):
+        out, lse = FeatureAttention.apply(q, k, v, plan, kwargs)
+    else:
+        out, lse = run_features(plan, q, k, v, bool(return_lse), kwargs)
+    return (out, lse) if return_lse else out
 
 
 def _run_with_features(
     q: Any, k: Any, v: Any, sizes: Any, features: Any, causal: Any, scale: Any, layout: Any,
     backend: Any, config: Any, allow_fp16_accum: Any, return_lse: Any,
 ) -> Any:  # fmt: skip
-    b, hq, _, nq, nk, _, _, dev = sizes
     plan, source = plan_for(
         sizes, causal, scale, layout, backend, config, allow_fp16_accum, features
     )
-    counts[source] += 1
-    kwargs = features.kwargs(*_seed_offset(features, dev, b * hq * nq * nk))
-    if _needs_grad(q, k, v):
-        out, lse = FeatureAttention.apply(q, k, v, plan, kwargs)
-    else:
-        out, lse = run_features(plan, q, k, v, bool(return_lse), kwargs)
-    return (out, lse) if return_lse else out
+    return _run_plan(q, k, v, plan, source, features, return_lse)
 
 
 #: :func:`_run_with_features` outside a compiler's graph (dropout under torch.compile)

@@ -724,3 +724,28 @@ def test_triton_refuses_dq_atomic_configs_for_deterministic_backwards():
     assert not any(
         "bitwise" in r for r in tb.not_supported_reasons(det, "tbwd_m64n128_w8s2")
     )
+
+
+def test_a_repeated_call_with_features_reuses_its_plan_but_not_its_tensors(monkeypatch):
+    import importlib
+
+    from sparktune import dispatch
+
+    mod = importlib.import_module("sparktune.attention")
+    q, k, v = _inputs((1, 4, 2, 9, 12, 16), torch.float16)
+    s1, s2 = torch.rand(4), torch.rand(4) + 1
+    kw = dict(causal=True, window=(3, -1), softcap=2.0, backend="reference")
+    first = sparktune.attention(q, k, v, alibi_slopes=s1, **kw)
+
+    def no_checks(*a, **k):
+        raise AssertionError("a repeated call is not checked again")
+
+    monkeypatch.setattr(mod, "check_features", no_checks)
+    again = sparktune.attention(q, k, v, alibi_slopes=s1, **kw)
+    other = sparktune.attention(q, k, v, alibi_slopes=s2, **kw)  # the call's own slopes
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    want, _ = oracle(q, k, v, causal=True, window=(3, -1), softcap=2.0, alibi=s2)
+    torch.testing.assert_close(other.double(), want, atol=2e-3, rtol=0)
+    dispatch.reload()  # forgotten with dispatch's selections
+    with pytest.raises(AssertionError, match="not checked again"):
+        sparktune.attention(q, k, v, alibi_slopes=s1, **kw)
