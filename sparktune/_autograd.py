@@ -10,12 +10,12 @@ import torch
 
 from . import dispatch, registry
 from ._checks import bhnd
-from ._execute import backward_choice, in_layout, run_backward, run_forward
+from ._execute import backward_choice, in_layout, run_backward, run_features, run_forward
 from ._plan import Plan, backward_problem, device_info, forward_problem
 from .backends.base import Backend
 from .problem import DeviceInfo, Problem
 
-__all__ = ["native_choice", "recorded_for_backward", "train"]
+__all__ = ["FeatureAttention", "native_choice", "recorded_for_backward", "train"]
 
 
 def native_choice(
@@ -66,6 +66,29 @@ class _AttentionFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):  # type: ignore[override]
         return _gradients(ctx, dout, 1)  # the plan
+
+
+class FeatureAttention(torch.autograd.Function):
+    """A call with features (or varlen): ``apply(q, k, v, plan, kwargs)`` -> (out, lse), the
+    backend's feature arguments in ``kwargs`` (the dropout mask's seed and offset among them,
+    so that the backward regenerates the same mask)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan, kwargs):  # type: ignore[override]
+        out, lse = run_features(plan, q, k, v, True, kwargs)
+        ctx.plan = plan
+        ctx.kwargs = kwargs
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, _dlse):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = run_backward(ctx.plan, dout, q, k, v, out, lse, ctx.kwargs)
+        need = ctx.needs_input_grad
+        return dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None, None
 
 
 class _RecordedAttention(torch.autograd.Function):

@@ -20,6 +20,7 @@ __all__ = [
     "new_output",
     "run_backward",
     "run_config",
+    "run_features",
     "run_forward",
 ]
 
@@ -97,6 +98,37 @@ def run_config(
     return out, lse
 
 
+def run_features(
+    plan: Plan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    need_lse: bool,
+    kwargs: dict,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The forward of a call with features (``kwargs``: the backend's feature arguments,
+    docs/FEATURES.md) on user-layout tensors (packed (total, H, D) for varlen, layout
+    "thd"); returns (out, a new tensor contiguous in the user's layout, lse)."""
+    layout = plan.layout
+    out = new_output(q)
+    lse = plan.backend.forward(
+        bhnd(q, layout),
+        bhnd(k, layout),
+        bhnd(v, layout),
+        bhnd(out, layout),
+        config=plan.config,
+        causal=plan.causal,
+        scale=plan.scale,
+        need_lse=need_lse,
+        **kwargs,
+    )
+    if need_lse and lse is None:
+        raise RuntimeError(
+            f"backend {plan.backend.name!r} config {plan.config!r} returned no log-sum-exp"
+        )
+    return out, lse
+
+
 def run_forward(
     plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, need_lse: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -110,7 +142,8 @@ def backward_choice(plan: Plan) -> tuple[Backend, str] | None:
     """The backend and config for the backward: chosen by dispatch for the "bwd" problem
     (the user's forced backend, and its forward config where it offers it for "bwd", when
     one was forced); None when none can run it."""
-    problem = backward_problem(plan.problem)
+    features = plan.features
+    problem = backward_problem(plan.problem, features is not None and features.deterministic)
     try:
         if plan.forced:
             b = plan.backend
@@ -149,20 +182,31 @@ def run_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    kwargs: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients in the user's layout, from a backend's backward or the reference math."""
+    """Gradients in the user's layout, from a backend's backward or the reference math.
+    ``kwargs``: the feature arguments the forward ran with (a call with features)."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     grads = [grad_buffer(t) for t in (q, k, v)]
     views = [bhnd(t, plan.layout) for t in (dout, q, k, v, out, *grads)]
+    if kwargs is not None and plan.features is not None and plan.features.deterministic:
+        kwargs = {**kwargs, "deterministic": True}
     choice = backward_choice(plan)
     if choice is not None:
         b, config = choice
         if b.has_backward:
             try:
-                b.backward(
-                    *views[:5], lse, *views[5:], config=config, causal=plan.causal, scale=plan.scale
-                )
+                if kwargs:
+                    b.backward(
+                        *views[:5], lse, *views[5:], config=config, causal=plan.causal,
+                        scale=plan.scale, **kwargs,
+                    )  # fmt: skip
+                else:
+                    b.backward(
+                        *views[:5], lse, *views[5:], config=config, causal=plan.causal,
+                        scale=plan.scale,
+                    )  # fmt: skip
                 return grads[0], grads[1], grads[2]
             except NotImplementedError:
                 pass
@@ -175,7 +219,8 @@ def run_backward(
         "(correct but slow)",
     )
     computed = reference_attention_backward(
-        *views[:4], causal=plan.causal, scale=plan.scale, compute_dtype=torch.float32
+        *views[:4], causal=plan.causal, scale=plan.scale, compute_dtype=torch.float32,
+        **(kwargs or {}),
     )
     for dst, src in zip(views[5:], computed, strict=True):
         dst.copy_(src)

@@ -69,9 +69,12 @@ _PROBLEMS_MAX = 4096
 
 def forward_problem(key: tuple[Any, ...]) -> Problem:
     """The forward Problem of ``(dtype, batch, heads_q, heads_kv, seqlen_q, seqlen_k,
-    head_dim, causal, allow_fp16_accum)``."""
+    head_dim, causal, allow_fp16_accum)``, followed for a call with features by
+    ``(window_left, window_right, softcap, alibi, dropout, varlen, total_q, total_k)``."""
     problem = _problems.get(key)
     if problem is None:
+        if len(key) > 9:
+            return _feature_problem(key)
         dtype, b, hq, hk, nq, nk, d, causal, fp16 = key
         problem = Problem(
             op="fwd",
@@ -91,6 +94,34 @@ def forward_problem(key: tuple[Any, ...]) -> Problem:
     return problem
 
 
+def _feature_problem(key: tuple[Any, ...]) -> Problem:
+    dtype, b, hq, hk, nq, nk, d, causal, fp16, wl, wr, cap, alibi, drop, varlen, tq, tk = key
+    problem = Problem(
+        op="fwd",
+        dtype=SUPPORTED_DTYPES[dtype],
+        batch=b,
+        heads_q=hq,
+        heads_kv=hk,
+        seqlen_q=nq,
+        seqlen_k=nk,
+        head_dim=d,
+        causal=causal,
+        allow_fp16_accum=fp16,
+        window_left=wl,
+        window_right=wr,
+        softcap=cap,
+        alibi=alibi,
+        dropout=drop,
+        varlen=varlen,
+        total_q=tq,
+        total_k=tk,
+    )
+    if len(_problems) >= _PROBLEMS_MAX:
+        _problems.clear()
+    _problems[key] = problem
+    return problem
+
+
 @dataclass(frozen=True)
 class Plan:
     """What one call runs: the chosen backend and config, and what the backward needs to
@@ -105,13 +136,17 @@ class Plan:
     device: DeviceInfo | None
     #: the user forced ``backend`` (and maybe ``config``): the backward keeps to it
     forced: bool
+    #: the call's features (:class:`sparktune._checks.Features`), None for a plain call
+    features: Any = None
 
 
 #: id of a forward Problem -> (that Problem, its backward Problem)
 _bwd_problems: dict[int, tuple[Problem, Problem]] = {}
 
 
-def backward_problem(problem: Problem) -> Problem:
+def backward_problem(problem: Problem, deterministic: bool = False) -> Problem:
+    if deterministic:
+        return problem.replace(op="bwd", deterministic=True)
     pair = _bwd_problems.get(id(problem))
     if pair is None or pair[0] is not problem:
         if len(_bwd_problems) >= _PROBLEMS_MAX:
@@ -184,16 +219,36 @@ def plan_for(
     backend: str | None,
     config: str | None,
     allow_fp16_accum: Any,
+    features: Any = None,
+    totals: tuple[int, int] | None = None,
+    warn: bool = True,
 ) -> tuple[Plan, str]:
     """(the plan, the source of dispatch's selection) for checked sizes: the scale checked,
     the forward Problem, the device's fingerprint, dispatch's choice and the fallback
-    warning (which points at the caller of the caller's caller: attention()'s caller)."""
+    warning (which points at the caller of the caller's caller: attention()'s caller).
+    ``features``: a call's checked :class:`~sparktune._checks.Features`; ``totals``: the
+    packed (total_q, total_k) of a varlen call (sizes then hold the longest sequences)."""
     b, hq, hk, nq, nk, d, dtype, dev = sizes
     scale = 1.0 / math.sqrt(d) if scale is None else check_scale(scale, d)
     causal = bool(causal)
-    problem = forward_problem((dtype, b, hq, hk, nq, nk, d, causal, bool(allow_fp16_accum)))
+    key: tuple[Any, ...] = (dtype, b, hq, hk, nq, nk, d, causal, bool(allow_fp16_accum))
+    if features is not None or totals is not None:
+        wl, wr = features.window if features is not None else (-1, -1)
+        key += (
+            wl,
+            wr,
+            bool(features is not None and features.softcap),
+            bool(features is not None and features.alibi_slopes is not None),
+            bool(features is not None and features.dropout_p),
+            totals is not None,
+            *(totals or (0, 0)),
+        )
+    problem = forward_problem(key)
     device = device_info(dev)
-    selection = select_forward(problem, device, dev, backend, config)
+    if warn:
+        selection = select_forward(problem, device, dev, backend, config)
+    else:
+        selection = dispatch.select(problem, device, backend=backend, config=config)
     plan = Plan(
         backend=registry.get_backend(selection.candidate.backend),
         config=selection.candidate.config,
@@ -203,5 +258,6 @@ def plan_for(
         problem=problem,
         device=device,
         forced=backend is not None,
+        features=features,
     )
     return plan, selection.source

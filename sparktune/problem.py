@@ -7,10 +7,31 @@ import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Problem", "DeviceInfo", "DTYPES", "OPS"]
+__all__ = ["Problem", "DeviceInfo", "DTYPES", "FEATURES", "OPS"]
 
 DTYPES = ("float16", "bfloat16")
 OPS = ("fwd", "bwd")
+#: the attention features a problem may have and a backend may declare (docs/FEATURES.md)
+FEATURES = ("window", "softcap", "alibi", "dropout", "deterministic", "varlen")
+
+_NO_FEATURES: frozenset[str] = frozenset()
+
+
+def _visible_pairs(nq: int, nk: int, causal: bool, left: int, right: int) -> int:
+    """How many (query, key) pairs a dense problem's mask leaves visible (bottom-right
+    alignment, docs/FEATURES.md)."""
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        return nq * nk
+    total = 0
+    for i in range(nq):
+        d = i + nk - nq
+        lo = 0 if left < 0 else max(0, d - left)
+        hi = nk - 1 if right < 0 else min(nk - 1, d + right)
+        if hi >= lo:
+            total += hi - lo + 1
+    return total
 
 
 @functools.cache
@@ -58,6 +79,21 @@ class Problem(_CachedHash):
     head_dim: int
     causal: bool
     allow_fp16_accum: bool = False
+    # the features (docs/FEATURES.md); the defaults mean "off", so that records made before
+    # they existed keep their keys
+    #: keys left/right of each query's diagonal, -1 unlimited (causal implies right = -1)
+    window_left: int = -1
+    window_right: int = -1
+    softcap: bool = False
+    alibi: bool = False
+    dropout: bool = False
+    #: bitwise reproducible gradients (a "bwd" problem only)
+    deterministic: bool = False
+    #: packed sequences: batch counts them, seqlen_q/seqlen_k are the longest, total_q/total_k
+    #: the packed totals (0 unless varlen)
+    varlen: bool = False
+    total_q: int = 0
+    total_k: int = 0
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -72,21 +108,96 @@ class Problem(_CachedHash):
             raise ValueError(
                 f"heads_q ({self.heads_q}) must be a multiple of heads_kv ({self.heads_kv})"
             )
+        if (
+            self.window_left != -1
+            or self.window_right != -1
+            or self.softcap
+            or self.alibi
+            or self.dropout
+            or self.deterministic
+            or self.varlen
+            or self.total_q
+            or self.total_k
+        ):
+            self._check_features()
+            features = frozenset(
+                name
+                for name, on in (
+                    ("window", self.window_left != -1 or self.window_right != -1),
+                    ("softcap", self.softcap),
+                    ("alibi", self.alibi),
+                    ("dropout", self.dropout),
+                    ("deterministic", self.deterministic),
+                    ("varlen", self.varlen),
+                )
+                if on
+            )
+        else:
+            features = _NO_FEATURES
+        object.__setattr__(self, "_features", features)
         self._set_hash()
+
+    def _check_features(self) -> None:
+        for name in ("window_left", "window_right"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < -1:
+                raise ValueError(f"{name} must be an integer >= -1 (-1: unlimited), got {value!r}")
+        if self.causal and self.window_right != -1:
+            raise ValueError(
+                f"a causal problem has window_right -1 in its key (causal is right = 0), got "
+                f"{self.window_right}"
+            )
+        for name in ("softcap", "alibi", "dropout", "deterministic", "varlen"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.deterministic and self.op != "bwd":
+            raise ValueError("deterministic applies to the backward: only a 'bwd' problem has it")
+        for name, longest in (("total_q", self.seqlen_q), ("total_k", self.seqlen_k)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+            if not self.varlen:
+                if value:
+                    raise ValueError(f"{name} is for varlen problems only (0 otherwise), got {value}")
+            elif not longest <= value <= self.batch * longest:
+                raise ValueError(
+                    f"{name} ({value}) must be between the longest sequence ({longest}) and "
+                    f"batch * longest ({self.batch * longest})"
+                )
 
     def __hash__(self) -> int:
         return self._hash  # type: ignore[attr-defined]
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The names of the features this problem has (see :data:`FEATURES`)."""
+        return self._features  # type: ignore[attr-defined]
+
+    @property
+    def window(self) -> tuple[int, int]:
+        return self.window_left, self.window_right
 
     @property
     def group_size(self) -> int:
         return self.heads_q // self.heads_kv
 
     def flops(self) -> float:
-        """FLOPs as FlashAttention counts them: 4*B*H*Nq*Nk*D forward (halved when causal and
-        square), backward 2.5x forward."""
-        f = 4.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
-        if self.causal:
-            f /= 2
+        """FLOPs as FlashAttention counts them: 4*B*H*Nq*Nk*D forward (halved when causal),
+        backward 2.5x forward; with a window or varlen, 4*B*H*D times the visible (query, key)
+        pairs (varlen: of sequences of the mean lengths)."""
+        if not self._features or self._features <= {"softcap", "alibi", "dropout", "deterministic"}:
+            f = 4.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
+            if self.causal:
+                f /= 2
+            return f * (2.5 if self.op == "bwd" else 1.0)
+        # windows and varlen: the visible area (varlen: sequences of the mean lengths)
+        if self.varlen:
+            nq = max(1, round(self.total_q / self.batch))
+            nk = max(1, round(self.total_k / self.batch))
+        else:
+            nq, nk = self.seqlen_q, self.seqlen_k
+        pairs = _visible_pairs(nq, nk, self.causal, self.window_left, self.window_right)
+        f = 4.0 * self.batch * self.heads_q * pairs * self.head_dim
         return f * (2.5 if self.op == "bwd" else 1.0)
 
     def as_dict(self) -> dict[str, Any]:

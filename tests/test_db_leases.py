@@ -10,6 +10,7 @@ import pytest
 
 from sparktune import db
 from sparktune.db import Store
+from sparktune.db._schema import FEATURE_COLUMNS
 from sparktune.tune import LeaseBoard, new_owner_id
 from tests._pg import pg_url  # noqa: F401 - fixture
 from tests._store_helpers import ServerClock, problem, record
@@ -118,11 +119,13 @@ def test_schema_2_is_upgraded_with_the_lease_table(tmp_path):
     con = sqlite3.connect(path)
     con.execute("DROP TABLE sparktune_leases")
     con.execute("ALTER TABLE sparktune_records DROP COLUMN floor_ms")  # schema 4's
+    for name in FEATURE_COLUMNS:  # schema 5's
+        con.execute(f"ALTER TABLE sparktune_records DROP COLUMN {name}")
     con.execute("UPDATE sparktune_meta SET value='2' WHERE key='schema_version'")
     con.commit()
     con.close()
     with Store(path, readonly=True) as s:  # read as it is, not changed
         assert s.version == 2 and s.records() == []
     with Store(path) as s:
-        assert s.version == db.SCHEMA_VERSION == 4
+        assert s.version == db.SCHEMA_VERSION == 5
         assert LeaseBoard(s).claim("w", "x") is not None

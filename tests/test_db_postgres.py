@@ -15,6 +15,7 @@ from sparktune import db, dispatch
 from sparktune.cli import build_parser, main
 from sparktune.cli import tune as tune_cli
 from sparktune.db import Store, problem_key
+from sparktune.db._schema import FEATURE_COLUMNS
 from sparktune.tune import CostTimer, LeaseBoard
 from tests._pg import pg_url, with_password  # noqa: F401 - fixture
 from tests._store_helpers import (
@@ -84,11 +85,33 @@ def test_upgrade_from_schema_2(pg_url):  # noqa: F811
     with eng.begin() as c:
         c.exec_driver_sql("DROP TABLE sparktune_leases")
         c.exec_driver_sql("ALTER TABLE sparktune_records DROP COLUMN floor_ms")  # schema 4's
+        for name in FEATURE_COLUMNS:  # schema 5's
+            c.exec_driver_sql(f"ALTER TABLE sparktune_records DROP COLUMN {name}")
         c.exec_driver_sql("UPDATE sparktune_meta SET value='2' WHERE key='schema_version'")
     eng.dispose()
     assert Store.upgrade_database(pg_url) == (2, db.SCHEMA_VERSION)
     with Store(pg_url) as s:
         assert LeaseBoard(s).claim("w", "x") is not None
+
+
+def test_upgrade_from_schema_4_reads_old_rows_as_features_off(pg_url):  # noqa: F811
+    with Store(pg_url) as s:
+        s.add([record(problem(), config="old")])
+    eng = sa.create_engine(pg_url)
+    with eng.begin() as c:
+        for name in FEATURE_COLUMNS:
+            c.exec_driver_sql(f"ALTER TABLE sparktune_records DROP COLUMN {name}")
+        c.exec_driver_sql("UPDATE sparktune_meta SET value='4' WHERE key='schema_version'")
+    eng.dispose()
+    assert Store.upgrade_database(pg_url) == (4, db.SCHEMA_VERSION)
+    with Store(pg_url) as s:
+        (old,) = s.records()
+        assert old.config == "old" and old.problem == problem() and not old.problem.features
+        p = problem().replace(window_left=64, varlen=True, total_q=problem().seqlen_q,
+                              total_k=problem().seqlen_k)
+        s.add([record(p, config="new")])
+        assert [r.config for r in s.records(problem=p)] == ["new"]
+        assert [r.config for r in s.records(problem=problem())] == ["old"]
 
 
 def test_cli_never_shows_the_password(pg_url, capsys, tmp_path):  # noqa: F811

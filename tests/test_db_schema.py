@@ -9,6 +9,8 @@ import sqlalchemy as sa
 
 from sparktune import db
 from sparktune.db import SCHEMA_VERSION, SchemaOutdatedError, SchemaTooNewError, Store
+from sparktune.db._schema import FEATURE_COLUMNS
+from sparktune.problem import Problem
 from tests._store_helpers import record
 
 # The tables exactly as schema version 1 created them on SQLite (sparktune's first store).
@@ -87,6 +89,8 @@ def _v3_file(tmp_path):
         s.add([record(config="v3", median=2.0)])
     con = sqlite3.connect(path)
     con.execute("ALTER TABLE sparktune_records DROP COLUMN floor_ms")
+    for name in FEATURE_COLUMNS:  # schema 5's
+        con.execute(f"ALTER TABLE sparktune_records DROP COLUMN {name}")
     con.execute("UPDATE sparktune_meta SET value='3' WHERE key='schema_version'")
     con.commit()
     con.close()
@@ -156,3 +160,45 @@ def test_foreign_table_without_meta_is_an_error(tmp_path):
     eng.dispose()
     with pytest.raises(db.SchemaError, match="not written by sparktune"):
         Store(path)
+
+
+def _v4_file(tmp_path):
+    """A store as schema version 4 wrote it (no feature columns), with one record."""
+    path = tmp_path / "v4.sqlite3"
+    with Store(path) as s:
+        s.add([record(config="v4rec", median=2.0)])
+    con = sqlite3.connect(path)
+    for name in FEATURE_COLUMNS:
+        con.execute(f"ALTER TABLE sparktune_records DROP COLUMN {name}")
+    con.execute("UPDATE sparktune_meta SET value='4' WHERE key='schema_version'")
+    con.commit()
+    con.close()
+    return path
+
+
+def test_schema_4_rows_read_as_features_off_before_and_after_the_upgrade(tmp_path):
+    path = _v4_file(tmp_path)
+    with Store(path, readonly=True) as s:  # read as it is, features off
+        (r,) = s.records()
+        assert s.version == 4 and r.config == "v4rec" and not r.problem.features
+        assert s.records(problem=r.problem) == [r]
+        assert s.records(problem=r.problem.replace(softcap=True)) == []
+    assert _version(path) == "4"
+    assert Store.upgrade_database(path) == (4, SCHEMA_VERSION)
+    with Store(path) as s:
+        (old,) = s.records()
+        assert old.uid == r.uid and old.problem == r.problem and not old.problem.features
+        p = r.problem.replace(window_left=128, softcap=True, alibi=True)
+        s.add([record(p, config="feat")])
+        assert [x.config for x in s.records(problem=p)] == ["feat"]
+        assert [x.config for x in s.records(problem=r.problem)] == ["v4rec"]
+        (new,) = s.records(problem=p)
+        assert new.problem == p and new.problem.features == {"window", "softcap", "alibi"}
+
+
+def test_upgrade_from_v1_reads_features_off(tmp_path):
+    path = _v1_file(tmp_path)
+    with Store(path) as s:
+        (r,) = s.records()
+        assert r.problem == Problem("fwd", "float16", 1, 12, 12, 8192, 8192, 128, False)
+        assert r.problem.features == frozenset()

@@ -389,8 +389,11 @@ def test_common_inputs_take_the_fast_checks():
 
 def test_cached_hashes_are_the_dataclass_hashes_and_are_not_pickled():
     p = Problem("fwd", "bfloat16", 2, 8, 2, 17, 33, 64, True, True)
-    assert hash(p) == hash(("fwd", "bfloat16", 2, 8, 2, 17, 33, 64, True, True))
-    assert hash(p.replace(op="bwd")) == hash(("bwd", "bfloat16", 2, 8, 2, 17, 33, 64, True, True))
+    off = (-1, -1, False, False, False, False, False, 0, 0)  # the features (docs/FEATURES.md)
+    assert hash(p) == hash(("fwd", "bfloat16", 2, 8, 2, 17, 33, 64, True, True, *off))
+    assert hash(p.replace(op="bwd")) == hash(("bwd", "bfloat16", 2, 8, 2, 17, 33, 64, True, True, *off))
+    w = p.replace(window_left=5, softcap=True)
+    assert hash(w) == hash(("fwd", "bfloat16", 2, 8, 2, 17, 33, 64, True, True, 5, -1, True, *off[3:]))
     d = DeviceInfo("GPU", (9, 0), 132, "580", "13.0", extra={"index": 3})
     assert hash(d) == hash(("GPU", (9, 0), 132, "580", "13.0"))
     for obj in (p, d):

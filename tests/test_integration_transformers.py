@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 import torch
 
+import sparktune
+
 transformers = pytest.importorskip("transformers")
 
-import sparktune  # noqa: E402
 from sparktune.integrations import transformers as hf  # noqa: E402
 
 # CPU tensors always take sparktune's reference fallback (tests/test_attention_api.py tests
@@ -398,3 +399,78 @@ def test_compiled_training_compares_the_mask_or_falls_back():
     logits, _ = step(torch.compile(model, backend="aot_eager", fullgraph=True), ids)
     assert set(hf.counters()) == {"mask_unchecked"}
     torch.testing.assert_close(logits, ref_logits, atol=1e-2, rtol=1e-2)
+
+
+# -- features: soft-capping and sliding windows ----------------------------------------------------
+
+
+def _logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits.float()
+
+
+def test_gemma2_softcap_and_sliding_window_run_on_sparktune():
+    config = transformers.Gemma2Config(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=256,
+        attn_logit_softcapping=2.0, sliding_window=5, query_pre_attn_scalar=16,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    model = build(config, "sparktune")
+    ids = tokens()
+    reference = copy.deepcopy(model).float()
+    reference.set_attn_implementation("eager")  # transformers' own softcap and window
+    want = _logits(reference, ids)
+    got = _logits(model, ids)
+    assert hf.counters() == {"sparktune": 2}, hf.counters()
+    model.set_attn_implementation("eager")
+    eager16 = _logits(model, ids)
+    noise = max(err(eager16, want), 2e-3)
+    assert err(got, want) <= 2 * noise, (err(got, want), noise)
+
+
+def test_mistral_sliding_window_that_bites_runs_on_sparktune():
+    config = transformers.MistralConfig(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=256, sliding_window=4,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    model = build(config, "sparktune")
+    ids = tokens()
+    reference = copy.deepcopy(model).float()
+    reference.set_attn_implementation("sdpa")
+    want = _logits(reference, ids)
+    got = _logits(model, ids)
+    assert hf.counters() == {"sparktune": 2}, hf.counters()
+    model.set_attn_implementation("sdpa")
+    sdpa16 = _logits(model, ids)
+    noise = max(err(sdpa16, want), 2e-3)
+    assert err(got, want) <= 2 * noise, (err(got, want), noise)
+
+
+def test_window_mask_that_is_not_the_layers_window_falls_back():
+    model = build(llama_config(), "sparktune")
+    attn = model.model.layers[0].self_attn
+    q = torch.randn(1, 4, 8, 16, dtype=torch.float16)
+    k = torch.randn(1, 2, 8, 16, dtype=torch.float16)
+    i = torch.arange(8)
+    mask = ((i[:, None] >= i[None, :]) & (i[None, :] > i[:, None] - 3))[None, None]
+    hf.attention_forward(attn, q, k, k, mask, sliding_window=4)  # the mask is a window of 3
+    assert hf.counters() == {"mask": 1}
+    hf.attention_forward(attn, q, k, k, mask, sliding_window=3)
+    assert hf.counters() == {"mask": 1, "sparktune": 1}
+
+
+def test_softcap_runs_on_sparktune_and_a_window_without_a_fast_backend_falls_back(monkeypatch):
+    model = build(llama_config(), "sparktune")
+    attn = model.model.layers[0].self_attn
+    q = torch.randn(1, 4, 8, 16, dtype=torch.float16)
+    k = torch.randn(1, 2, 8, 16, dtype=torch.float16)
+    monkeypatch.setattr(hf, "_runs_fast", lambda *a: False)
+    out, _ = hf.attention_forward(attn, q, k, k, None, softcap=2.0)  # sdpa would refuse it
+    want = sparktune.attention(q, k, k, causal=True, softcap=2.0, backend="reference")
+    torch.testing.assert_close(out, want.transpose(1, 2), atol=2e-3, rtol=0)
+    i = torch.arange(8)
+    mask = ((i[:, None] >= i[None, :]) & (i[None, :] > i[:, None] - 3))[None, None]
+    hf.attention_forward(attn, q, k, k, mask, sliding_window=3)
+    assert hf.counters() == {"sparktune": 1, "mask": 1}

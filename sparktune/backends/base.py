@@ -77,6 +77,14 @@ class Backend(ABC):
         :meth:`forward`'s output bit for bit (else :meth:`forward` stays). None: not for
         these inputs.
 
+    Attention features (docs/FEATURES.md): a backend that declares some in :attr:`features`
+    receives them as keyword arguments of :meth:`forward` and :meth:`backward`, only those
+    that are on (``window``, ``softcap``, ``alibi_slopes``, ``dropout_p`` with ``seed`` and
+    ``offset``, ``deterministic`` for the backward, and for packed batches ``cu_seqlens_q``,
+    ``cu_seqlens_k``, ``max_seqlen_q``, ``max_seqlen_k`` with (total, H, D) tensors and an
+    (Hq, total_q) log-sum-exp). Problems with features are run through :meth:`forward` (the
+    optional hooks below serve plain problems).
+
     ``warmup(problem, configs=None, *, processes=1)``
         Compile ``configs`` for ``problem`` ahead of time (backends that compile on first use);
         the tuner calls it before a study with the candidates it will measure, and ignores
@@ -89,6 +97,10 @@ class Backend(ABC):
     tunable: bool = True
     #: the backend runs "bwd" problems (:meth:`backward`); see the class docstring
     has_backward: ClassVar[bool] = False
+    #: the attention features it takes (docs/FEATURES.md: "window", "softcap", "alibi",
+    #: "dropout", "deterministic", "varlen"); a problem with any other never reaches it, and
+    #: :meth:`forward`/:meth:`backward` receive the feature keyword arguments only when on
+    features: ClassVar[frozenset[str]] = frozenset()
 
     # the optional hooks (documented above): None here means "not offered"
     forward_alloc: ClassVar[Any] = None
@@ -116,6 +128,16 @@ class Backend(ABC):
         """Why ``config`` (or, with None, every config of this backend) cannot run ``problem``
         on ``device``; empty when it can."""
 
+    def feature_reasons(self, problem: Problem) -> list[str]:
+        """The features of ``problem`` this backend does not declare (one reason each)."""
+        wanted = problem.features
+        if not wanted:
+            return []
+        return [
+            f"backend {self.name!r} does not support the feature {name!r}"
+            for name in sorted(wanted - self.features)
+        ]
+
     def runnable_reasons(
         self, problem: Problem, config: str | None = None, device: DeviceInfo | None = None
     ) -> list[str]:
@@ -125,7 +147,9 @@ class Backend(ABC):
         the reason says what was raised."""
         try:
             reasons = list(
-                self.unavailable_reasons() or self.not_supported_reasons(problem, config, device)
+                self.unavailable_reasons()
+                or self.feature_reasons(problem)
+                or self.not_supported_reasons(problem, config, device)
             )
         except Exception as exc:  # noqa: BLE001 - a backend that cannot answer cannot run
             reasons = [f"not_supported_reasons raised {type(exc).__name__}: {exc}"]
@@ -138,7 +162,7 @@ class Backend(ABC):
             return []
         return [
             Candidate(self.name, c)
-            for c in self.configs(problem.op)
+            for c in ([] if self.feature_reasons(problem) else self.configs(problem.op))
             if not self.not_supported_reasons(problem, c, device)
         ]
 

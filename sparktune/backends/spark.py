@@ -62,6 +62,8 @@ def _device_index_for(device: DeviceInfo) -> int | None:
 
 class SparkBackend(Backend):
     name = "spark"
+    #: the CUDA families take no attention feature yet (docs/FEATURES.md)
+    features = frozenset()
 
     # Heuristic defaults per (family, head_dim): (block_m, block_n, warps_m, warps_n). The
     # m16n8k16 entries for hd 64 and 128 are the configs that won most shapes of the 16k-token

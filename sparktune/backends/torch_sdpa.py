@@ -28,6 +28,15 @@ Semantics that differ from sparktune's and how they are bridged:
   computed separately in float32 by :func:`~sparktune.backends.reference.reference_lse`
   (an extra pass over Q·K^T). With ``need_lse=False`` none of this is done.
 - Backward recomputes the forward with the same SDPA backend under autograd.
+
+Attention features (docs/FEATURES.md): "auto" and "math" take windows and ALiBi as a
+materialised additive float mask ((Nq, Nk), or (B, Hq, Nq, Nk) with ALiBi; rows that see no
+key are opened and zeroed after, as above; the log-sum-exp then comes from the float32
+reference pass); soft-capping cannot be expressed as a mask. The config "flex" is
+FlexAttention (``torch.nn.attention.flex_attention``, compiled on CUDA, eager elsewhere),
+a candidate for problems with features only: soft-capping and ALiBi as its ``score_mod``,
+windows, causal masks and packed sequences (document ids) as its block mask. No config takes
+dropout (SDPA's own generator is not the contract's) or promises a deterministic backward.
 """
 
 from __future__ import annotations
@@ -43,9 +52,9 @@ import torch.nn.functional as F
 from ..dtypes import DTYPE_NAMES
 from ..problem import DTYPES, DeviceInfo, Problem
 from .base import Backend
-from .reference import causal_visible, reference_lse
+from .reference import causal_visible, reference_lse, window_visible
 
-__all__ = ["AUTO", "CONFIGS", "TorchSDPABackend"]
+__all__ = ["AUTO", "CONFIGS", "CONFIG_FEATURES", "FLEX", "TorchSDPABackend"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +68,19 @@ CONFIGS: dict[str, str | None] = {
 }
 #: the config that is SDPA's own choice
 AUTO = "auto"
+#: FlexAttention, for problems with features
+FLEX = "flex"
+#: the features each config takes
+CONFIG_FEATURES: dict[str, frozenset[str]] = {
+    "flash": frozenset(),
+    "cudnn": frozenset(),
+    "efficient": frozenset(),
+    "math": frozenset(("window", "alibi")),
+    "auto": frozenset(("window", "alibi")),
+    FLEX: frozenset(("window", "softcap", "alibi", "varlen")),
+}
+#: FlexAttention's smallest head_dim on CUDA (its kernels need a power of two from here)
+FLEX_MIN_HEAD_DIM = 16
 #: the private ops "auto" takes its log-sum-exp from, in order, when one is asked for
 _AUTO_LSE_CONFIGS = ("flash", "efficient")
 #: config name -> private aten op returning (output, logsumexp, ...)
@@ -216,12 +238,50 @@ def _any_requires_grad(*tensors: torch.Tensor) -> bool:
 
 
 def _unknown_config(config: str) -> str:
-    return f"unknown config {config!r}; torch configs: {', '.join(CONFIGS)}"
+    return f"unknown config {config!r}; torch configs: {', '.join(CONFIGS)}, {FLEX}"
+
+
+@functools.cache
+def _flex_unavailable() -> tuple[str, ...]:
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
+    except ImportError as exc:
+        return (f"this torch ({torch.__version__}) has no FlexAttention ({exc})",)
+    return ()
+
+
+def _feature_reasons(problem: Problem, config: str) -> list[str]:
+    missing = problem.features - CONFIG_FEATURES[config]
+    return [f"{config} does not take the feature {name!r}" for name in sorted(missing)]
+
+
+def _flex_reasons(problem: Problem, device: DeviceInfo | None) -> list[str]:
+    reasons = list(_flex_unavailable())
+    if not problem.features:
+        reasons.append(
+            "flex is a candidate for problems with features only (plain problems have SDPA's "
+            "fused kernels)"
+        )
+    reasons += _feature_reasons(problem, FLEX)
+    if problem.dtype not in DTYPES:
+        reasons.append(f"dtype {problem.dtype} (needs float16 or bfloat16)")
+    if problem.op == "bwd" and device is None:
+        reasons.append("FlexAttention has no backward for CPU tensors")
+    d = problem.head_dim
+    if device is not None and (d < FLEX_MIN_HEAD_DIM or d & (d - 1)):
+        reasons.append(f"head_dim {d} is not a power of two >= {FLEX_MIN_HEAD_DIM} (FlexAttention on CUDA)")
+    return reasons
 
 
 def _reasons(problem: Problem, config: str, device: DeviceInfo | None) -> list[str]:
+    if config == FLEX:
+        return _flex_reasons(problem, device)
     if config not in CONFIGS:
         return [_unknown_config(config)]
+    if problem.features:
+        reasons = _feature_reasons(problem, config)
+        if reasons:
+            return reasons
     reasons = list(_config_unavailable(config))
     if reasons or config == "math":
         return reasons
@@ -384,6 +444,8 @@ class TorchSDPABackend(Backend):
 
     name = "torch"
     tunable = True
+    #: the union of the configs' (:data:`CONFIG_FEATURES`); each config names what it lacks
+    features = frozenset().union(*CONFIG_FEATURES.values())
 
     def unavailable_reasons(self) -> list[str]:
         try:
@@ -393,14 +455,14 @@ class TorchSDPABackend(Backend):
         return []
 
     def configs(self, op: str = "fwd") -> Sequence[str]:
-        return tuple(CONFIGS)
+        return (*CONFIGS, FLEX) if not _flex_unavailable() else tuple(CONFIGS)
 
     def not_supported_reasons(
         self, problem: Problem, config: str | None = None, device: DeviceInfo | None = None
     ) -> list[str]:
         if config is not None:
             return _reasons(problem, config, device)
-        per_config = {c: _reasons(problem, c, device) for c in CONFIGS}
+        per_config = {c: _reasons(problem, c, device) for c in self.configs()}
         if any(not r for r in per_config.values()):
             return []
         return [f"{c}: {'; '.join(r)}" for c, r in per_config.items()]
@@ -416,7 +478,7 @@ class TorchSDPABackend(Backend):
 
     @staticmethod
     def _check_config(config: str) -> None:
-        if config not in CONFIGS:
+        if config not in CONFIGS and config != FLEX:
             raise ValueError(_unknown_config(config))
 
     @staticmethod
@@ -504,7 +566,16 @@ class TorchSDPABackend(Backend):
         causal: bool,
         scale: float,
         need_lse: bool = True,
+        **features: Any,
     ) -> torch.Tensor | None:
+        if features or config == FLEX:
+            self._check_config(config)
+            with torch.no_grad():  # (detached: FlexAttention refuses CPU tensors needing grad)
+                o, lse = _run_features(
+                    config, q.detach(), k.detach(), v.detach(), causal, scale, need_lse, features
+                )
+                out.copy_(o)
+                return lse
         if torch.is_grad_enabled() and _any_requires_grad(q, k, v, out):
             with torch.no_grad():
                 o, lse = self._run(config, q, k, v, causal, scale, need_lse)
@@ -636,8 +707,18 @@ class TorchSDPABackend(Backend):
         config: str,
         causal: bool,
         scale: float,
+        **features: Any,
     ) -> None:
         self._check_config(config)
+        if features or config == FLEX:
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            with torch.enable_grad():
+                o, _ = _run_features(config, *leaves, causal, scale, False, features)
+                gq, gk, gv = torch.autograd.grad(o, leaves, dout)
+            dq.copy_(gq)
+            dk.copy_(gk)
+            dv.copy_(gv)
+            return
         nq, nk = q.shape[2], k.shape[2]
         leaves = [t.detach().requires_grad_() for t in _prepare(config, q, k, v)]
         with torch.enable_grad():
@@ -649,3 +730,143 @@ class TorchSDPABackend(Backend):
         dq.copy_(gq)
         dk.copy_(gk)
         dv.copy_(gv)
+
+
+# --------------------------------------------------------------------------- features
+
+
+def _run_features(
+    config: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    need_lse: bool,
+    features: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out, lse) of a problem with features on ``config`` ("flex", or "auto"/"math" with
+    an additive float mask); differentiable when the inputs require gradients."""
+    unknown = set(features) - {"window", "softcap", "alibi_slopes", "cu_seqlens_q",
+                               "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"}
+    if unknown or (config != FLEX and ("softcap" in features or "cu_seqlens_q" in features)):
+        raise ValueError(f"torch config {config!r} does not take {sorted(features)}")
+    if config == FLEX:
+        return _flex(q, k, v, causal, scale, need_lse, features)
+    b, hq, nq, _ = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    visible = window_visible(nq, nk, q.device, causal=causal, window=features.get("window", (-1, -1)))
+    bias = torch.zeros((nq, nk), dtype=torch.float32, device=q.device)
+    slopes = features.get("alibi_slopes")
+    if slopes is not None:
+        diag = torch.arange(nq, device=q.device)[:, None] + (nk - nq)
+        dist = (diag - torch.arange(nk, device=q.device)[None, :]).abs().float()
+        bias = -slopes.expand(b, hq)[:, :, None, None] * dist
+    empty = None
+    if visible is not None:
+        empty = ~visible.any(dim=-1)
+        bias = bias.masked_fill(~(visible | empty[:, None]), -float("inf"))  # empty rows opened
+    kwargs: dict[str, Any] = {"attn_mask": bias.to(q.dtype), "scale": scale}
+    if hq != hk:
+        if _torch_version() >= GQA_MIN_TORCH:
+            kwargs["enable_gqa"] = True
+        else:
+            k = k.repeat_interleave(hq // hk, dim=1)
+            v = v.repeat_interleave(hq // hk, dim=1)
+    if config == AUTO:
+        o = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    else:
+        with _sdpa_kernel()(_sdp_backend(config)):
+            o = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    if empty is not None and bool(empty.any()):
+        o = o * (~empty)[:, None].to(o.dtype)
+    lse = None
+    if need_lse:
+        lse = reference_lse(q.detach(), k.detach(), causal, scale, torch.float32, **features)
+    return o, lse
+
+
+@functools.cache
+def _flex_function(cuda: bool) -> Any:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False) if cuda else flex_attention
+
+
+def _flex(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    need_lse: bool,
+    features: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """FlexAttention: soft-capping and ALiBi as the score_mod, the window, causal mask and
+    packed sequences as the block mask (dense (B, H, N, D) views, or packed (total, H, D)
+    tensors seen as one batch of document ids)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    left, right = features.get("window", (-1, -1))
+    if causal:
+        right = 0
+    softcap = float(features.get("softcap", 0.0) or 0.0)
+    slopes = features.get("alibi_slopes")
+    varlen = features.get("cu_seqlens_q") is not None
+    dev = q.device
+    if varlen:
+        cu_q = features["cu_seqlens_q"].to(dev, torch.int64)
+        cu_k = features["cu_seqlens_k"].to(dev, torch.int64)
+        len_q, len_k = cu_q.diff(), cu_k.diff()
+        nb = len_q.numel()
+        doc_q = torch.repeat_interleave(torch.arange(nb, device=dev), len_q)
+        doc_k = torch.repeat_interleave(torch.arange(nb, device=dev), len_k)
+        diag = torch.arange(q.shape[0], device=dev) - cu_q[doc_q] + (len_k - len_q)[doc_q]
+        pos_k = torch.arange(k.shape[0], device=dev) - cu_k[doc_k]
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        if slopes is not None:
+            slopes = slopes.expand(nb, q.shape[1]) if slopes.dim() == 1 else slopes
+    else:
+        nq, nk = q.shape[2], k.shape[2]
+        if slopes is not None:
+            slopes = slopes.expand(q.shape[0], q.shape[1]) if slopes.dim() == 1 else slopes
+
+    def diag_of(qi: Any) -> Any:
+        return diag[qi] if varlen else qi + (nk - nq)
+
+    def key_of(kv: Any) -> Any:
+        return pos_k[kv] if varlen else kv
+
+    def mask_mod(b: Any, h: Any, qi: Any, kv: Any) -> Any:
+        d, j = diag_of(qi), key_of(kv)
+        m = doc_q[qi] == doc_k[kv] if varlen else j >= 0
+        if left >= 0:
+            m = m & (j >= d - left)
+        if right >= 0:
+            m = m & (j <= d + right)
+        return m
+
+    score_mod = None
+    if softcap or slopes is not None:
+
+        def score_mod(score: Any, b: Any, h: Any, qi: Any, kv: Any) -> Any:
+            if softcap:
+                score = torch.tanh(score / softcap) * softcap
+            if slopes is not None:
+                row = doc_q[qi] if varlen else b
+                score = score - slopes[row, h] * (diag_of(qi) - key_of(kv)).abs()
+            return score
+
+    block_mask = None
+    if varlen or left >= 0 or right >= 0:
+        block_mask = create_block_mask(
+            mask_mod, None, None, q.shape[2], k.shape[2], device=dev
+        )
+    flex = _flex_function(dev.type == "cuda")
+    o, lse = flex(
+        q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1], return_lse=True,
+    )  # fmt: skip
+    if varlen:
+        o, lse = o[0].transpose(0, 1), lse[0]
+    return o, (lse.float() if need_lse else None)

@@ -71,6 +71,42 @@ def _kernels():
     return triton_attn
 
 
+#: feature name -> the keyword arguments both kernel functions must take for it (the
+#: backward alone for "deterministic"), docs/FEATURES.md
+_FEATURE_ARGS = {
+    "window": ("window",),
+    "softcap": ("softcap",),
+    "alibi": ("alibi_slopes",),
+    "dropout": ("dropout_p", "seed", "offset"),
+    "varlen": ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"),
+}
+
+
+@functools.cache
+def kernel_features() -> frozenset[str]:
+    """The features the Triton kernels take, read from the signatures of
+    ``attention_forward``/``attention_backward`` (empty when they cannot be imported): a
+    feature is declared once both functions accept its keyword arguments."""
+    if _triton_import_error() is not None:
+        return frozenset()
+    import inspect
+
+    try:
+        kernels = _kernels()
+        fwd = inspect.signature(kernels.attention_forward).parameters
+        bwd = inspect.signature(kernels.attention_backward).parameters
+    except Exception:  # noqa: BLE001 - kernels that cannot be inspected take no feature
+        return frozenset()
+    names = {
+        name
+        for name, args in _FEATURE_ARGS.items()
+        if all(a in fwd and a in bwd for a in args)
+    }
+    if "deterministic" in bwd:
+        names.add("deterministic")
+    return frozenset(names)
+
+
 def _problem_reasons(problem: Problem, device: DeviceInfo | None) -> list[str]:
     reasons = []
     if device is None:
@@ -94,6 +130,11 @@ class TritonBackend(Backend):
 
     name = "triton"
     tunable = True
+
+    @property
+    def features(self) -> frozenset[str]:  # type: ignore[override]
+        """What the installed kernels take (:func:`kernel_features`)."""
+        return kernel_features()
 
     def unavailable_reasons(self) -> list[str]:
         error = _triton_import_error()
@@ -131,12 +172,22 @@ class TritonBackend(Backend):
             cfg = parse_config(config)
         except ValueError as exc:
             return [*reasons, str(exc)]
+        if problem.deterministic and getattr(cfg, "dq_atomic", False):
+            reasons.append(
+                "dQ accumulates with float atomics: gradients not bitwise reproducible "
+                "(deterministic=True)"
+            )
         return [*reasons, *config_reasons(cfg, problem, device)]
 
     def default_config(self, problem: Problem, device: DeviceInfo | None = None) -> str | None:
         if self.unavailable_reasons() or _problem_reasons(problem, device):
             return None
-        return default_config_name(problem, device)
+        name = default_config_name(problem, device)
+        if name is not None and problem.deterministic and self.not_supported_reasons(problem, name, device):
+            # the heuristic's choice accumulates dQ with atomics: the first config that does not
+            cands = self.candidates(problem, device)
+            return cands[0].config if cands else None
+        return name
 
     def forward(
         self,
@@ -149,10 +200,15 @@ class TritonBackend(Backend):
         causal: bool,
         scale: float,
         need_lse: bool = True,
+        **features: object,
     ) -> torch.Tensor | None:
         kernels = _kernels()
         _check_device(kernels, q)
         with _on_device(q):
+            if features:
+                return kernels.attention_forward(
+                    q, k, v, out, config=config, causal=causal, scale=scale, **features
+                )
             return kernels.attention_forward(q, k, v, out, config=config, causal=causal, scale=scale)
 
     def backward(
@@ -170,12 +226,14 @@ class TritonBackend(Backend):
         config: str,
         causal: bool,
         scale: float,
+        **features: object,
     ) -> None:
         kernels = _kernels()
         _check_device(kernels, q)
         with _on_device(q):
             kernels.attention_backward(
-                dout, q, k, v, out, lse, dq, dk, dv, config=config, causal=causal, scale=scale
+                dout, q, k, v, out, lse, dq, dk, dv, config=config, causal=causal, scale=scale,
+                **features,
             )
 
     def warmup(

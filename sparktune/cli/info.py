@@ -79,13 +79,17 @@ def _backends() -> dict[str, Any]:
         try:
             reasons = list(backend.unavailable_reasons())
             configs = list(backend.configs("fwd")) if not reasons else []
+            features = sorted(backend.features) if not reasons else []
         except Exception as exc:  # noqa: BLE001 - a backend that raises here is reported
             reasons, configs = [f"error while asking the backend: {_error(exc)}"], []
+            features = []
         report[name] = {
             "available": not reasons,
             "reasons": reasons,
             "tunable": bool(backend.tunable),
             "configs": configs,
+            # the attention features it takes (docs/FEATURES.md)
+            "features": features,
         }
     return report
 
@@ -149,6 +153,8 @@ def _format(info: dict[str, Any]) -> str:
         if b["available"]:
             state = f"available ({len(b['configs'])} configs: {', '.join(b['configs'][:8])}"
             state += ", ...)" if len(b["configs"]) > 8 else ")"
+            if b.get("features"):
+                state += f"; features: {', '.join(b['features'])}"
         else:
             state = "unavailable: " + "; ".join(b["reasons"])
         lines.append(f"  {name:<{width}}  {state}")

@@ -32,6 +32,18 @@ def add_parser(subparsers: Any) -> None:
     shape.add_argument(
         "--allow-fp16-accum", action="store_true", help="also tune kernels that accumulate in float16 (less accurate)"
     )
+    feats = p.add_argument_group("attention features (docs/FEATURES.md; ignored with --recipe)")
+    feats.add_argument("--window", type=int, nargs=2, metavar=("LEFT", "RIGHT"),
+                       help="sliding window: keys left and right of each query's diagonal, -1 unlimited")
+    feats.add_argument("--softcap", action="store_true", help="logit soft-capping (tuned at softcap 2)")
+    feats.add_argument("--alibi", action="store_true", help="ALiBi biases (tuned with the geometric slopes)")
+    feats.add_argument("--dropout", action="store_true", help="attention dropout (tuned at p 0.1)")
+    feats.add_argument("--deterministic", action="store_true",
+                       help="the backward with bitwise reproducible gradients (the forward is unchanged)")
+    feats.add_argument("--varlen", metavar="LENGTHS",
+                       help="packed variable-length batch: comma-separated query lengths, e.g. 4096,2048,1024 "
+                       "(replaces --seqlen and --batch)")
+    feats.add_argument("--varlen-k", metavar="LENGTHS", help="key lengths of the packed batch (default: --varlen)")
     p.add_argument("--recipe", metavar="FILE", help="tune the shapes of a recipe (YAML, see recipes/)")
     budget = p.add_argument_group("budget (per problem and op)")
     budget.add_argument("--trials", type=int, metavar="N", help="trials (default: the recipe's, else 100); every "
@@ -96,25 +108,58 @@ def problems_from_args(args: argparse.Namespace) -> tuple[list[Any], dict[str, A
             "backends": recipe.backends,
             "name": recipe.name,
         }
-    missing = [f"--{n}" for n in ("seqlen", "heads") if getattr(args, n) is None]
+    varlen = getattr(args, "varlen", None)
+    varlen_k = getattr(args, "varlen_k", None)
+    if varlen_k is not None and varlen is None:
+        raise ValueError("--varlen-k needs --varlen")
+    missing = [f"--{n}" for n in (("heads",) if varlen else ("seqlen", "heads")) if getattr(args, n) is None]
     if missing:
         raise ValueError(f"{' and '.join(missing)} required (or --recipe FILE)")
     dtype = DTYPE_ALIASES.get(args.dtype.lower())
     if dtype is None:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPE_ALIASES)}, got {args.dtype!r}")
     ops = ("fwd", "bwd") if args.op == "both" else (args.op,)
+    deterministic = bool(getattr(args, "deterministic", False))
+    if deterministic and ops == ("fwd",):
+        raise ValueError("--deterministic is a property of the backward: use --op bwd or both")
+    from ..tune import feature_fields
+
+    def lengths(text: str | None, flag: str) -> list[int] | None:
+        if text is None:
+            return None
+        try:
+            return [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+    fields = feature_fields(
+        window=tuple(args.window) if getattr(args, "window", None) else (-1, -1),
+        causal=args.causal,
+        seqlen_q=args.seqlen,
+        seqlen_k=args.seqlen_k or args.seqlen,
+        softcap=getattr(args, "softcap", False),
+        alibi=getattr(args, "alibi", False),
+        dropout=getattr(args, "dropout", False),
+        varlen_q=lengths(varlen, "--varlen"),
+        varlen_k=lengths(varlen_k, "--varlen-k"),
+    )
+    shape = {
+        "batch": args.batch,
+        "seqlen_q": args.seqlen,
+        "seqlen_k": args.seqlen_k or args.seqlen,
+    }
+    shape.update(fields)
     problems = [
         Problem(
             op=op,
             dtype=dtype,
-            batch=args.batch,
             heads_q=args.heads,
             heads_kv=args.heads_kv or args.heads,
-            seqlen_q=args.seqlen,
-            seqlen_k=args.seqlen_k or args.seqlen,
             head_dim=args.head_dim,
             causal=args.causal,
             allow_fp16_accum=args.allow_fp16_accum,
+            deterministic=deterministic and op == "bwd",
+            **shape,
         )
         for op in ops
     ]

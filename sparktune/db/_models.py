@@ -43,6 +43,16 @@ class Measurement(Base):
     head_dim: Mapped[int] = mapped_column(sa.Integer)
     causal: Mapped[bool] = mapped_column(sa.Boolean)
     allow_fp16_accum: Mapped[bool] = mapped_column(sa.Boolean)
+    # the attention features (schema 5; the rows stored before read as "off")
+    window_left: Mapped[int] = mapped_column(sa.Integer, default=-1, server_default="-1")
+    window_right: Mapped[int] = mapped_column(sa.Integer, default=-1, server_default="-1")
+    softcap: Mapped[bool] = mapped_column(sa.Boolean, default=False, server_default="0")
+    alibi: Mapped[bool] = mapped_column(sa.Boolean, default=False, server_default="0")
+    dropout: Mapped[bool] = mapped_column(sa.Boolean, default=False, server_default="0")
+    deterministic: Mapped[bool] = mapped_column(sa.Boolean, default=False, server_default="0")
+    varlen: Mapped[bool] = mapped_column(sa.Boolean, default=False, server_default="0")
+    total_q: Mapped[int] = mapped_column(sa.Integer, default=0, server_default="0")
+    total_k: Mapped[int] = mapped_column(sa.Integer, default=0, server_default="0")
 
     # device fingerprint and kernel-family build
     device_name: Mapped[str] = mapped_column(sa.String(128))

@@ -104,21 +104,50 @@ class Record:
 
 # --------------------------------------------------------------------------- key text
 
+#: the problem's feature fields in a record's JSON, with their "off" value (written only when
+#: on; absent means off)
+_FEATURE_FIELDS: dict[str, Any] = {
+    "window_left": -1,
+    "window_right": -1,
+    "softcap": False,
+    "alibi": False,
+    "dropout": False,
+    "deterministic": False,
+    "varlen": False,
+    "total_q": 0,
+    "total_k": 0,
+}
+
 
 def problem_key(p: Problem) -> str:
     """Compact, parseable text of a problem key, e.g.
     ``fwd:float16:b1:h12/12:n8192/8192:d128:full:acc32`` (``causal`` instead of ``full`` for
-    a causal mask, ``acc16`` when FP16 accumulation is allowed)."""
-    return (
+    a causal mask, ``acc16`` when FP16 accumulation is allowed), followed by the features that
+    are on, in this order: ``:w<left>/<right>`` (a window, -1 unlimited), ``:softcap``,
+    ``:alibi``, ``:dropout``, ``:det`` (deterministic), ``:varlen<total_q>/<total_k>``; a
+    problem without features keeps the key it always had."""
+    key = (
         f"{p.op}:{p.dtype}:b{p.batch}:h{p.heads_q}/{p.heads_kv}:n{p.seqlen_q}/{p.seqlen_k}"
         f":d{p.head_dim}:{'causal' if p.causal else 'full'}"
         f":{'acc16' if p.allow_fp16_accum else 'acc32'}"
     )
+    if p.features:
+        if "window" in p.features:
+            key += f":w{p.window_left}/{p.window_right}"
+        for flag, text in ((p.softcap, "softcap"), (p.alibi, "alibi"), (p.dropout, "dropout"),
+                           (p.deterministic, "det")):
+            if flag:
+                key += f":{text}"
+        if p.varlen:
+            key += f":varlen{p.total_q}/{p.total_k}"
+    return key
 
 
 _KEY_RE = re.compile(
     r"^(?P<op>\w+):(?P<dtype>\w+):b(?P<batch>\d+):h(?P<hq>\d+)/(?P<hkv>\d+)"
-    r":n(?P<sq>\d+)/(?P<sk>\d+):d(?P<hd>\d+):(?P<mask>causal|full):(?P<acc>acc16|acc32)$"
+    r":n(?P<sq>\d+)/(?P<sk>\d+):d(?P<hd>\d+):(?P<mask>causal|full):(?P<acc>acc16|acc32)"
+    r"(?::w(?P<wl>-?\d+)/(?P<wr>-?\d+))?(?P<softcap>:softcap)?(?P<alibi>:alibi)?"
+    r"(?P<dropout>:dropout)?(?P<det>:det)?(?::varlen(?P<tq>\d+)/(?P<tk>\d+))?$"
 )
 
 
@@ -139,6 +168,15 @@ def parse_problem_key(text: str) -> Problem:
         head_dim=int(m["hd"]),
         causal=m["mask"] == "causal",
         allow_fp16_accum=m["acc"] == "acc16",
+        window_left=int(m["wl"]) if m["wl"] is not None else -1,
+        window_right=int(m["wr"]) if m["wr"] is not None else -1,
+        softcap=m["softcap"] is not None,
+        alibi=m["alibi"] is not None,
+        dropout=m["dropout"] is not None,
+        deterministic=m["det"] is not None,
+        varlen=m["tq"] is not None,
+        total_q=int(m["tq"]) if m["tq"] is not None else 0,
+        total_k=int(m["tk"]) if m["tk"] is not None else 0,
     )
 
 
@@ -158,21 +196,27 @@ def _iso(t: datetime) -> str:
 def record_to_json(r: Record) -> dict[str, Any]:
     """The JSON object of one record (see tuning_db/README.md)."""
     p = r.problem
+    problem: dict[str, Any] = {
+        "op": p.op,
+        "dtype": p.dtype,
+        "batch": p.batch,
+        "heads_q": p.heads_q,
+        "heads_kv": p.heads_kv,
+        "seqlen_q": p.seqlen_q,
+        "seqlen_k": p.seqlen_k,
+        "head_dim": p.head_dim,
+        "causal": p.causal,
+        "allow_fp16_accum": p.allow_fp16_accum,
+    }
+    if p.features:  # only the features that are on: a plain record's line is unchanged
+        for name, off in _FEATURE_FIELDS.items():
+            value = getattr(p, name)
+            if value != off:
+                problem[name] = value
     return {
         "format": FORMAT_VERSION,
         "uid": r.uid,
-        "problem": {
-            "op": p.op,
-            "dtype": p.dtype,
-            "batch": p.batch,
-            "heads_q": p.heads_q,
-            "heads_kv": p.heads_kv,
-            "seqlen_q": p.seqlen_q,
-            "seqlen_k": p.seqlen_k,
-            "head_dim": p.head_dim,
-            "causal": p.causal,
-            "allow_fp16_accum": p.allow_fp16_accum,
-        },
+        "problem": problem,
         "device": {
             "name": r.device.name,
             "capability": list(r.device.capability),
@@ -283,9 +327,16 @@ def record_from_json(obj: Any, *, source: str = "") -> Record:
     ints = {k: pf.int_(k) for k in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim")}
     causal = pf.bool_("causal")
     acc = pf.bool_("allow_fp16_accum")
+    feats: dict[str, Any] = {}
+    for name, off in _FEATURE_FIELDS.items():
+        if name in pf.obj:
+            if isinstance(off, bool):
+                feats[name] = pf.bool_(name)
+            else:
+                feats[name] = pf.int_(name, minimum=off)
     pf.done()
     try:
-        problem = Problem(op=op, dtype=dtype, causal=causal, allow_fp16_accum=acc, **ints)
+        problem = Problem(op=op, dtype=dtype, causal=causal, allow_fp16_accum=acc, **ints, **feats)
     except ValueError as e:
         raise RecordError("problem", str(e)) from None
 

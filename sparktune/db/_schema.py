@@ -19,17 +19,31 @@ __all__ = [
     "SchemaError",
     "SchemaOutdatedError",
     "SchemaTooNewError",
+    "FEATURE_COLUMNS",
     "ensure_schema",
     "record_columns",
     "stored_version",
 ]
 
 #: the schema version this code writes
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
+
+#: the problem-key columns of the attention features (schema 5), with the value of "off"
+FEATURE_COLUMNS = {
+    "window_left": -1,
+    "window_right": -1,
+    "softcap": False,
+    "alibi": False,
+    "dropout": False,
+    "deterministic": False,
+    "varlen": False,
+    "total_q": 0,
+    "total_k": 0,
+}
 
 #: columns of the records table added by a later schema version than 2 (the oldest version a
 #: store opened read-only is read at), with that version
-_ADDED_COLUMNS = {"floor_ms": 4}
+_ADDED_COLUMNS = {"floor_ms": 4, **{name: 5 for name in FEATURE_COLUMNS}}
 
 
 def _add_column(conn: Connection, table: sa.Table, name: str) -> None:
@@ -61,8 +75,21 @@ def _v3_to_v4(conn: Connection) -> None:
     _add_column(conn, Measurement.__table__, "floor_ms")
 
 
+def _v4_to_v5(conn: Connection) -> None:
+    """The attention features in the problem key (docs/FEATURES.md). The rows already
+    stored get the values of "off" (no window, softcap, ALiBi, dropout, deterministic or
+    varlen): their keys are what they were."""
+    for name in FEATURE_COLUMNS:
+        _add_column(conn, Measurement.__table__, name)
+
+
 #: MIGRATIONS[n] upgrades a store at version n to n + 1, inside one transaction
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4}
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {
+    1: _v1_to_v2,
+    2: _v2_to_v3,
+    3: _v3_to_v4,
+    4: _v4_to_v5,
+}
 
 
 def record_columns(version: int) -> list[sa.Column]:

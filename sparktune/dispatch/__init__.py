@@ -285,15 +285,22 @@ def explain(
     op: str = "fwd",
     backend: str | None = None,
     config: str | None = None,
+    **features: Any,
 ) -> Explanation:
     """Which kernel ``select`` would choose for a problem and why; counters are not touched.
 
     ``explain(problem, device)`` for a :class:`~sparktune.problem.Problem` (device None: CPU;
     left out: the current CUDA device if there is one), or ``explain(q, k=k, causal=...)``
-    for the tensors of an ``attention()`` call.
+    for the tensors of an ``attention()`` call, with its features as keyword arguments
+    (``window``, ``softcap``, ``alibi_slopes``, ``dropout_p``, ``deterministic``: checked as
+    the call checks them, and shown in the problem's key).
     """
+    unknown = set(features) - {"window", "softcap", "alibi_slopes", "dropout_p", "deterministic"}
+    if unknown:
+        raise TypeError(f"explain() got unknown keyword argument(s): {', '.join(sorted(unknown))}")
     problem, device = problem_and_device(
-        problem, device, k=k, causal=causal, layout=layout, allow_fp16_accum=allow_fp16_accum, op=op
+        problem, device, k=k, causal=causal, layout=layout, allow_fp16_accum=allow_fp16_accum, op=op,
+        features=features,
     )
     rejected: list[str] = []
     selection: Selection | None = None

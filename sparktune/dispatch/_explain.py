@@ -105,9 +105,35 @@ def _cuda_device_info(index: int) -> DeviceInfo:
 
 
 def _problem_from_tensors(
-    q: torch.Tensor, k: torch.Tensor, *, causal: bool, layout: str, allow_fp16_accum: bool, op: str
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool,
+    layout: str,
+    allow_fp16_accum: bool,
+    op: str,
+    features: dict[str, Any] | None = None,
 ) -> tuple[Problem, DeviceInfo | None]:
     qb, kb, _ = check_inputs(q, k, k, layout)  # the call's own checks, which say what is wrong
+    extra: dict[str, Any] = {}
+    if features:
+        from .._checks import check_features, trim_window
+
+        f = check_features(
+            features.get("window", (-1, -1)), features.get("softcap", 0.0),
+            features.get("alibi_slopes"), features.get("dropout_p", 0.0), None,
+            features.get("deterministic", False), causal=bool(causal), batch=qb.shape[0],
+            heads_q=qb.shape[1], device=q.device,
+        )  # fmt: skip
+        wl, wr = trim_window(f.window, qb.shape[2], kb.shape[2])
+        extra = dict(
+            window_left=wl,
+            window_right=wr,
+            softcap=bool(f.softcap),
+            alibi=f.alibi_slopes is not None,
+            dropout=bool(f.dropout_p),
+            deterministic=f.deterministic and op == "bwd",
+        )
     problem = Problem(
         op=op,
         dtype=DTYPE_NAMES[q.dtype],
@@ -119,6 +145,7 @@ def _problem_from_tensors(
         head_dim=qb.shape[3],
         causal=bool(causal),
         allow_fp16_accum=bool(allow_fp16_accum),
+        **extra,
     )
     dev = q.device
     device = None
@@ -138,6 +165,7 @@ def problem_and_device(
     layout: str,
     allow_fp16_accum: bool,
     op: str,
+    features: dict[str, Any] | None = None,
 ) -> tuple[Problem, DeviceInfo | None]:
     """The problem ``explain`` is asked about and the device (:data:`AUTO`: the tensors' device,
     or for a :class:`~sparktune.problem.Problem` the current CUDA device if there is one)."""
@@ -145,7 +173,8 @@ def problem_and_device(
         if k is None:
             raise TypeError("explain(q, k=k, ...) needs k with tensors, or a Problem")
         problem, found = _problem_from_tensors(
-            problem, k, causal=causal, layout=layout, allow_fp16_accum=allow_fp16_accum, op=op
+            problem, k, causal=causal, layout=layout, allow_fp16_accum=allow_fp16_accum, op=op,
+            features=features,
         )
         if device is AUTO:
             device = found

@@ -73,8 +73,12 @@ class Selection:
 
 def _kind(p: Problem) -> tuple[Any, ...]:
     """Problems of one kind can share a kernel choice: everything but the sizes and the GQA
-    ratio (whether K/V are grouped at all is part of the kind)."""
-    return (p.op, p.dtype, p.head_dim, p.causal, p.allow_fp16_accum, p.group_size > 1, p.seqlen_q == p.seqlen_k)
+    ratio (whether K/V are grouped at all is part of the kind; the features and a window's
+    extent are)."""
+    kind = (p.op, p.dtype, p.head_dim, p.causal, p.allow_fp16_accum, p.group_size > 1, p.seqlen_q == p.seqlen_k)
+    if p.features:  # a feature (and a window's extent) changes what runs and its cost
+        kind += (p.window, p.softcap, p.alibi, p.dropout, p.deterministic, p.varlen)
+    return kind
 
 
 def _octaves(a: Problem, b: Problem) -> float:
@@ -133,7 +137,11 @@ def forced(problem: Problem, device: DeviceInfo | None, backend: str, config: st
     backend without a backward is still chosen for the "bwd" problem: the call then says that
     it has none and recomputes the gradients with the reference math."""
     b = get_backend(backend)
-    reasons = b.unavailable_reasons() or b.not_supported_reasons(problem, config, device)
+    reasons = (
+        b.unavailable_reasons()
+        or b.feature_reasons(problem)
+        or b.not_supported_reasons(problem, config, device)
+    )
     if reasons:
         what = f"backend {backend!r}" + (f" config {config!r}" if config else "")
         raise NoKernelError(f"{what} cannot run {problem}:\n" + _reasons_text({backend: reasons}))

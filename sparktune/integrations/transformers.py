@@ -22,7 +22,18 @@ makes it, which is what the model reshapes next. The attention weights returned 
   dropped first when there are more of them (the prefill of an empty static cache, the only
   case where transformers leaves such a mask out).
 - A boolean mask that is exactly the plain causal mask (square, query ``i`` sees keys
-  ``j <= i``): causal. Such a mask reaches the attention function when a model asks for a
+  ``j <= i``): causal.
+- A boolean mask that is exactly the causal sliding-window mask of the layer's
+  ``sliding_window`` (square, query ``i`` sees keys ``i - sliding_window < j <= i``, as
+  transformers builds it for Mistral, Gemma and others): causal with
+  ``window=(sliding_window - 1, -1)``.
+- Soft-capped logits (``softcap``, Gemma 2): ``softcap=``, always (transformers' ``sdpa``
+  function refuses them; where no backend but the reference math runs them, sparktune says
+  so once).
+
+A sliding window runs on sparktune when a backend other than the reference math can run it
+there (dispatch decides, as for any call; the answer is kept per shape); else it falls back
+as below (reason ``"mask"``), as it does while a compiler traces. Such a mask reaches the attention function when a model asks for a
   materialised mask, or when transformers builds one because it is tracing (below). In eager
   mode each mask tensor is compared once (the result is kept for that tensor and version).
 
@@ -85,12 +96,12 @@ NAME = "sparktune"
 
 #: why a call falls back to transformers' sdpa function -> what that means
 FALLBACK_REASONS: dict[str, str] = {
-    "mask": "an attention mask other than the plain causal one (padding, packed sequences, "
-    "a sliding window or chunk that bites, a custom mask)",
+    "mask": "an attention mask other than the plain causal one and the layer's causal sliding "
+    "window (padding, packed sequences, a chunk that bites, a custom mask), or a sliding window "
+    "no backend but the reference math can run (or met while a compiler traces)",
     "mask_unchecked": "a mask met while torch.compile traces with graph breaks forbidden "
     "(fullgraph=True or export), where it cannot be compared with the causal mask",
     "dropout": "attention dropout (a model in training mode with attention_dropout > 0)",
-    "softcap": "soft-capped attention logits",
     "output_attentions": "the attention weights were asked for",
     "position_bias": "an additive position bias",
     "dtype": "a dtype other than float16 and bfloat16",
@@ -181,6 +192,76 @@ def _equals_causal(mask: torch.Tensor) -> bool:
     return bool(ok)
 
 
+def _equals_window(mask: torch.Tensor, left: int) -> bool:
+    """Whether the square mask is the causal mask with ``left`` keys before the diagonal
+    (``i - left <= j <= i``), compared in row blocks (one sync)."""
+    n = mask.shape[-1]
+    cols = torch.arange(n, device=mask.device)
+    rows_per_block = max(1, _CHUNK_ELEMENTS // max(1, mask[..., :1, :].numel()))
+    ok = torch.ones((), dtype=torch.bool, device=mask.device)
+    for start in range(0, n, rows_per_block):
+        rows = cols[start : start + rows_per_block, None]
+        block = mask[..., start : start + rows_per_block, :]
+        ok &= (block == ((rows >= cols[None, :]) & (cols[None, :] >= rows - left))).all()
+    return bool(ok)
+
+
+def _is_causal_window(mask: torch.Tensor, nq: int, nk: int, left: int) -> bool:
+    """Whether ``mask`` is exactly the causal sliding-window mask (``left`` keys before the
+    diagonal) of a square problem, outside a compiler (kept per mask tensor and version)."""
+    if (
+        torch.compiler.is_compiling()
+        or mask.dtype != torch.bool
+        or mask.dim() != 4
+        or nq != nk
+        or tuple(mask.shape[-2:]) != (nq, nk)
+    ):
+        return False
+    if torch.is_inference(mask):
+        return _equals_window(mask, left)
+    version = mask._version
+    for ref, seen_version, answer in _checked_windows:
+        if ref() is mask and seen_version == (version, left):
+            return answer
+    answer = _equals_window(mask, left)
+    if len(_checked_windows) >= _CHECKED_MAX:
+        del _checked_windows[0]
+    _checked_windows.append((weakref.ref(mask), (version, left), answer))
+    return answer
+
+
+#: as :data:`_checked`, for the sliding-window masks (the version with the window)
+_checked_windows: list[tuple[weakref.ref[torch.Tensor], tuple[int, int], bool]] = []
+
+#: (dispatch generation, shapes, dtype, device, causal, window, softcap on) -> whether a
+#: backend other than the reference math runs that problem
+_fast: dict[tuple[Any, ...], bool] = {}
+
+
+def _runs_fast(query: torch.Tensor, key: torch.Tensor, causal: bool, window: tuple[int, int],
+               softcap: float) -> bool:
+    """Whether dispatch sends this call with features to a backend other than the fallback
+    (the reference math); False while a compiler traces."""
+    if torch.compiler.is_compiling():
+        return False
+    from sparktune import dispatch
+    from sparktune._plan import FALLBACK_BACKENDS
+
+    memo = (dispatch.generation, query.shape, key.shape, query.dtype, query.device, causal,
+            window, bool(softcap))  # fmt: skip
+    answer = _fast.get(memo)
+    if answer is None:
+        try:
+            ex = sparktune.explain(query, k=key, causal=causal, window=window, softcap=softcap)
+            answer = ex.selection is not None and ex.selection.candidate.backend not in FALLBACK_BACKENDS
+        except (TypeError, ValueError):
+            answer = False
+        if len(_fast) >= 256:
+            _fast.clear()
+        _fast[memo] = answer
+    return answer
+
+
 def _is_plain_causal(mask: torch.Tensor, nq: int, nk: int) -> bool | None:
     """Whether ``mask`` is exactly the causal mask of a square problem; None when that
     cannot be known (a compiler that forbids graph breaks is tracing)."""
@@ -221,8 +302,6 @@ def _unsupported(
     """(reason, detail) when the call cannot run on sparktune whatever the mask; else None."""
     if dropout:
         return "dropout", f"p={dropout}"
-    if kwargs.get("softcap") is not None:
-        return "softcap", ""
     if kwargs.get("output_attentions"):
         return "output_attentions", ""
     if kwargs.get("position_bias") is not None:
@@ -262,14 +341,26 @@ def attention_forward(
     nq, nk = query.shape[2], key.shape[2]
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     k, v = key, value
+    window = (-1, -1)
+    softcap = kwargs.get("softcap")
+    softcap = float(softcap) if softcap is not None else 0.0
+    sliding = kwargs.get("sliding_window")
     if problem is None and attention_mask is not None:
         plain = _is_plain_causal(attention_mask, nq, nk)
         if plain is None:
             problem = "mask_unchecked", ""
-        elif not plain:
-            problem = "mask", f"{attention_mask.dtype} mask of shape {tuple(attention_mask.shape)}"
-        else:
+        elif plain:
             causal = True
+        elif (
+            isinstance(sliding, int)
+            and not isinstance(sliding, bool)
+            and sliding > 0
+            and _is_causal_window(attention_mask, nq, nk, sliding - 1)
+            and _runs_fast(query, key, True, (sliding - 1, -1), softcap)
+        ):
+            causal, window = True, (sliding - 1, -1)
+        else:
+            problem = "mask", f"{attention_mask.dtype} mask of shape {tuple(attention_mask.shape)}"
     elif causal:
         # no mask, as transformers' sdpa function reads it: one query sees every key; more
         # keys than queries only for an empty static cache, whose unwritten tail is dropped
@@ -280,11 +371,19 @@ def attention_forward(
         # (B, H, N, D) as transformers gives them, and its (B, N, H, D) contiguous output as
         # its sdpa function makes it: no views or copies beyond what that function does
         if torch.compiler.is_compiling():  # checked while tracing; nothing to catch here
-            out = sparktune.attention(query, k, v, causal=causal, scale=scaling)
+            if softcap:  # (runs eagerly: a graph break)
+                out = sparktune.attention(query, k, v, causal=causal, scale=scaling, softcap=softcap)
+            else:
+                out = sparktune.attention(query, k, v, causal=causal, scale=scaling)
             _note(NAME)
             return out.transpose(1, 2).contiguous(), None
         try:
-            out = sparktune.attention(query, k, v, causal=causal, scale=scaling)
+            if softcap or window != (-1, -1):
+                out = sparktune.attention(
+                    query, k, v, causal=causal, scale=scaling, window=window, softcap=softcap
+                )
+            else:
+                out = sparktune.attention(query, k, v, causal=causal, scale=scaling)
         except (TypeError, ValueError) as exc:  # NoKernelError is a ValueError
             problem = "rejected", str(exc).splitlines()[0]
         else:

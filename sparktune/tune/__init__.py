@@ -7,7 +7,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._cluster import ClusterReport, DatabaseUnavailable, Outcome, Worker, work_label
-from ._recipe import DTYPE_ALIASES, Recipe, RecipeError, RecipeIssue, load_recipe, parse_recipe
+from ._recipe import (
+    DTYPE_ALIASES,
+    Recipe,
+    RecipeError,
+    RecipeIssue,
+    feature_fields,
+    load_recipe,
+    parse_recipe,
+)
 from ._timing import CostTimer, CudaEventTimer, Timer, Timing
 from ._tuner import (
     BASELINE,
@@ -58,6 +66,7 @@ __all__ = [
     "Tuner",
     "Worker",
     "Workload",
+    "feature_fields",
     "load_recipe",
     "lowp_attention",
     "new_owner_id",

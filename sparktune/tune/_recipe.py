@@ -15,7 +15,10 @@ Shape fields: ``seqlen`` (required), ``seqlen_k`` (default seqlen), ``heads`` (r
 ``heads_kv`` (default heads), ``head_dim`` (required), ``batch`` or ``tokens`` (batch =
 tokens / seqlen; default batch 1), ``causal`` (default false), ``dtype`` (float16, bfloat16,
 fp16, bf16; default float16), ``ops`` (fwd, bwd; default both), ``allow_fp16_accum`` (default
-false).
+false), and the attention features (docs/FEATURES.md): ``window_left``/``window_right``
+(keys each side of the diagonal, -1 unlimited, the default; causal shapes ignore the right
+side), ``softcap``, ``alibi``, ``dropout`` (default false) and ``deterministic`` (default
+false; for the backward only).
 
 Loading is safe (no Python objects); every error names the file, the line and the field.
 """
@@ -30,7 +33,7 @@ from typing import Any
 
 from ..problem import Problem
 
-__all__ = ["DTYPE_ALIASES", "Recipe", "RecipeError", "RecipeIssue", "load_recipe", "parse_recipe"]
+__all__ = ["DTYPE_ALIASES", "feature_fields", "Recipe", "RecipeError", "RecipeIssue", "load_recipe", "parse_recipe"]
 
 DTYPE_ALIASES = {
     "float16": "float16",
@@ -43,7 +46,8 @@ _TOP_FIELDS = ("name", "description", "budget", "backends", "defaults", "shapes"
 _BUDGET_FIELDS = ("trials", "timeout")
 _SHAPE_FIELDS = (
     "dtype", "head_dim", "causal", "heads", "heads_kv", "seqlen", "seqlen_k", "batch", "tokens",
-    "allow_fp16_accum", "ops",
+    "allow_fp16_accum", "ops", "window_left", "window_right", "softcap", "alibi", "dropout",
+    "deterministic",
 )
 
 
@@ -189,6 +193,10 @@ def _values(c: _Checker, raw: Any, line: int, fld: str, kind: str) -> list[Any] 
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 c.err(ln, fld, f"expected a positive integer, got {_show(v)}")
                 return None
+        elif kind == "window":
+            if isinstance(v, bool) or not isinstance(v, int) or v < -1:
+                c.err(ln, fld, f"expected an integer >= 0, or -1 for unlimited, got {_show(v)}")
+                return None
         elif kind == "bool":
             if not isinstance(v, bool):
                 c.err(ln, fld, f"expected true or false, got {_show(v)}")
@@ -209,7 +217,8 @@ def _values(c: _Checker, raw: Any, line: int, fld: str, kind: str) -> list[Any] 
 _KINDS = {
     "dtype": "dtype", "head_dim": "int", "causal": "bool", "heads": "int", "heads_kv": "int",
     "seqlen": "int", "seqlen_k": "int", "batch": "int", "tokens": "int", "allow_fp16_accum": "bool",
-    "ops": "op",
+    "ops": "op", "window_left": "window", "window_right": "window", "softcap": "bool", "alibi": "bool",
+    "dropout": "bool", "deterministic": "bool",
 }
 
 
@@ -243,7 +252,8 @@ def _expand(c: _Checker, shape: _Map, defaults: _Map | None, fld: str) -> list[P
     vals.setdefault("allow_fp16_accum", [False])
     vals.setdefault("ops", ["fwd", "bwd"])
     problems: list[Problem] = []
-    axes = ["dtype", "head_dim", "causal", "heads", "heads_kv", "seqlen", "seqlen_k", "batch", "tokens", "allow_fp16_accum"]
+    axes = ["dtype", "head_dim", "causal", "heads", "heads_kv", "seqlen", "seqlen_k", "batch", "tokens", "allow_fp16_accum",
+            "window_left", "window_right", "softcap", "alibi", "dropout", "deterministic"]
     present = [a for a in axes if a in vals]
     for combo in itertools.product(*(vals[a] for a in present)):
         d = dict(zip(present, combo, strict=True))
@@ -255,7 +265,14 @@ def _expand(c: _Checker, shape: _Map, defaults: _Map | None, fld: str) -> list[P
             batch = d["tokens"] // seqlen
         else:
             batch = d.get("batch", 1)
+        fields = feature_fields(
+            window=(d.get("window_left", -1), d.get("window_right", -1)), causal=d["causal"],
+            seqlen_q=seqlen, seqlen_k=d.get("seqlen_k", seqlen), softcap=d.get("softcap", False),
+            alibi=d.get("alibi", False), dropout=d.get("dropout", False),
+        )  # fmt: skip
         for op in vals["ops"]:
+            if d.get("deterministic") and op == "fwd":
+                continue  # a property of the backward: the forward is the same problem
             try:
                 problems.append(
                     Problem(
@@ -269,12 +286,48 @@ def _expand(c: _Checker, shape: _Map, defaults: _Map | None, fld: str) -> list[P
                         head_dim=d["head_dim"],
                         causal=d["causal"],
                         allow_fp16_accum=d["allow_fp16_accum"],
+                        deterministic=bool(d.get("deterministic")) and op == "bwd",
+                        **fields,
                     )
                 )
             except ValueError as e:
                 c.err(shape.line, fld, str(e))
                 return []
     return problems
+
+
+def feature_fields(
+    *,
+    window: tuple[int, int] = (-1, -1),
+    causal: bool = False,
+    seqlen_q: int | None = None,
+    seqlen_k: int | None = None,
+    softcap: bool = False,
+    alibi: bool = False,
+    dropout: bool = False,
+    varlen_q: list[int] | None = None,
+    varlen_k: list[int] | None = None,
+) -> dict[str, Any]:
+    """The Problem fields of the features as a call normalises them (docs/FEATURES.md): a
+    causal window's right side is -1, and for dense shapes a side that masks nothing is -1;
+    ``varlen_q``/``varlen_k``: the sequence lengths of a packed batch (then the fields include
+    batch, seqlen_q/seqlen_k, the longest, and the totals). Raises ValueError."""
+    from .._checks import check_window, trim_window
+
+    left, right = check_window(tuple(window), causal)
+    fields: dict[str, Any] = {"softcap": bool(softcap), "alibi": bool(alibi), "dropout": bool(dropout)}
+    if varlen_q is not None or varlen_k is not None:
+        lq = list(varlen_q if varlen_q is not None else varlen_k or [])
+        lk = list(varlen_k if varlen_k is not None else lq)
+        if len(lq) != len(lk) or not lq:
+            raise ValueError(f"varlen: {len(lq)} query lengths and {len(lk)} key lengths; give one per sequence")
+        if any(n < 0 for n in lq + lk) or not max(lq) or not max(lk):
+            raise ValueError("varlen lengths must be >= 0, with at least one sequence of each non-empty")
+        fields.update(varlen=True, batch=len(lq), seqlen_q=max(lq), seqlen_k=max(lk), total_q=sum(lq), total_k=sum(lk))
+    elif seqlen_q is not None and seqlen_k is not None:
+        left, right = trim_window((left, right), seqlen_q, seqlen_k)
+    fields.update(window_left=left, window_right=right)
+    return fields
 
 
 def parse_recipe(text: str, file: str = "<recipe>") -> Recipe:

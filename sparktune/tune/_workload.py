@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .._autograd import recorded_for_backward
-from ..attention import attention
+from ..attention import attention, varlen_attention
 from ..backends.reference import (
     causal_visible,
     reference_attention,
@@ -31,6 +31,11 @@ if TYPE_CHECKING:
     from ..problem import Problem
 
 __all__ = [
+    "TUNE_DROPOUT_P",
+    "TUNE_SOFTCAP",
+    "alibi_slopes",
+    "feature_arguments",
+    "varlen_lengths",
     "ERROR_FACTOR",
     "ERROR_FLOOR",
     "FP16_ACCUM_FACTOR",
@@ -47,6 +52,57 @@ ERROR_FLOOR = 1e-5
 FP16_ACCUM_FACTOR = 4.0
 #: elements of one score block of the low-precision baseline
 _TILE_ELEMENTS = 1 << 24
+
+#: the values a problem's on/off features are tuned and checked with (the key records only
+#: that they are on; what they cost does not depend on the value)
+TUNE_SOFTCAP = 2.0
+TUNE_DROPOUT_P = 0.1
+_TUNE_SEED, _TUNE_OFFSET = 1234, 0
+
+
+def alibi_slopes(heads: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The geometric ALiBi slopes of ``heads`` heads (2**(-8 h / heads), h = 1..heads), float32."""
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)], device=device)
+
+
+def varlen_lengths(batch: int, longest: int, total: int) -> list[int]:
+    """Sequence lengths for a varlen problem: ``batch`` lengths summing to ``total``, the first
+    ``longest`` and none longer (the rest as equal as they can be)."""
+    lengths = [longest]
+    rest, left = total - longest, batch - 1
+    for i in range(left):
+        n = min(longest, -(-rest // (left - i)))
+        lengths.append(n)
+        rest -= n
+    return lengths
+
+
+def feature_arguments(problem: Problem, device: torch.device | str) -> dict[str, object]:
+    """The backend's feature keyword arguments for a problem with features (docs/FEATURES.md),
+    with the values the tuner uses (:data:`TUNE_SOFTCAP`, :func:`alibi_slopes`,
+    :data:`TUNE_DROPOUT_P`, a fixed seed); packed problems get the boundaries of
+    :func:`varlen_lengths`. Empty for a plain problem."""
+    p = problem
+    kw: dict[str, object] = {}
+    if "window" in p.features:
+        kw["window"] = p.window
+    if p.softcap:
+        kw["softcap"] = TUNE_SOFTCAP
+    if p.alibi:
+        kw["alibi_slopes"] = alibi_slopes(p.heads_q, device)
+    if p.dropout:
+        kw.update(dropout_p=TUNE_DROPOUT_P, seed=_TUNE_SEED, offset=_TUNE_OFFSET)
+    if p.deterministic:
+        kw["deterministic"] = True
+    if p.varlen:
+        for side, longest, total in (("q", p.seqlen_q, p.total_q), ("k", p.seqlen_k, p.total_k)):
+            lengths = varlen_lengths(p.batch, longest, total)
+            cu = [0]
+            for n in lengths:
+                cu.append(cu[-1] + n)
+            kw[f"cu_seqlens_{side}"] = torch.tensor(cu, dtype=torch.int32, device=device)
+            kw[f"max_seqlen_{side}"] = longest
+    return kw
 
 
 
@@ -140,13 +196,18 @@ def _max_abs_err(a: torch.Tensor, ref: torch.Tensor, finite_mask: torch.Tensor |
 
 
 def reference_bounds(
-    t: dict[str, torch.Tensor], *, op: str, causal: bool, scale: float, factor: float, lse: bool = True
+    t: dict[str, torch.Tensor], *, op: str, causal: bool, scale: float, factor: float, lse: bool = True,
+    features: dict[str, object] | None = None,
 ) -> dict[str, tuple[torch.Tensor, float, torch.Tensor | None]]:
     """output name -> (float64 reference, bound, mask of entries to compare or None) for the
     inputs ``t`` (q, k, v, and dout for "bwd"): "fwd" gives out (and lse, compared where it is
     finite, when ``lse``), "bwd" gives dq, dk and dv. Each bound is ``factor`` times PyTorch's
-    own error in the input precision plus ERROR_FLOOR."""
+    own error in the input precision plus ERROR_FLOOR. With ``features`` (the backend's
+    feature arguments) the float64 reference has them too, and PyTorch's own error is that of
+    the same reference math run in the input dtype."""
     refs: dict[str, tuple[torch.Tensor, float, torch.Tensor | None]] = {}
+    if features:
+        return _feature_bounds(t, op=op, causal=causal, scale=scale, factor=factor, lse=lse, features=features)
     with torch.no_grad():
         if op == "fwd":
             out64, lse64 = reference_attention(t["q"], t["k"], t["v"], causal, scale, torch.float64)
@@ -158,6 +219,29 @@ def reference_bounds(
         else:
             grads64 = reference_attention_backward(t["dout"], t["q"], t["k"], t["v"], causal, scale, torch.float64)
             lows = lowp_attention(t["q"], t["k"], t["v"], causal=causal, scale=scale, dout=t["dout"])
+            for name, ref, low in zip(("dq", "dk", "dv"), grads64, lows, strict=True):
+                refs[name] = (ref, factor * _max_abs_err(low, ref) + ERROR_FLOOR, None)
+    return refs
+
+
+def _feature_bounds(
+    t: dict[str, torch.Tensor], *, op: str, causal: bool, scale: float, factor: float, lse: bool,
+    features: dict[str, object],
+) -> dict[str, tuple[torch.Tensor, float, torch.Tensor | None]]:
+    kw = {k: v for k, v in features.items() if k != "deterministic"}
+    refs: dict[str, tuple[torch.Tensor, float, torch.Tensor | None]] = {}
+    low_dtype = t["q"].dtype
+    with torch.no_grad():
+        if op == "fwd":
+            out64, lse64 = reference_attention(t["q"], t["k"], t["v"], causal, scale, torch.float64, **kw)
+            low, lse_low = reference_attention(t["q"], t["k"], t["v"], causal, scale, low_dtype, **kw)
+            refs["out"] = (out64, factor * _max_abs_err(low, out64) + ERROR_FLOOR, None)
+            if lse:
+                finite = torch.isfinite(lse64)
+                refs["lse"] = (lse64, factor * _max_abs_err(lse_low, lse64, finite) + ERROR_FLOOR, finite)
+        else:
+            grads64 = reference_attention_backward(t["dout"], t["q"], t["k"], t["v"], causal, scale, torch.float64, **kw)
+            lows = reference_attention_backward(t["dout"], t["q"], t["k"], t["v"], causal, scale, low_dtype, **kw)
             for name, ref, low in zip(("dq", "dk", "dv"), grads64, lows, strict=True):
                 refs[name] = (ref, factor * _max_abs_err(low, ref) + ERROR_FLOOR, None)
     return refs
@@ -207,6 +291,8 @@ class Workload:
         self.seed = seed
         self._check_inputs: dict[str, torch.Tensor] | None = None
         self._refs: dict[str, tuple[torch.Tensor, float, torch.Tensor | None]] | None = None
+        #: the backend's feature arguments (empty for a plain problem)
+        self.features = feature_arguments(problem, self.device)
 
     # ------------------------------------------------------------------ inputs
 
@@ -218,14 +304,22 @@ class Workload:
         def randn(*shape: int) -> torch.Tensor:
             return torch.randn(shape, generator=gen, device=self.device, dtype=self.dtype)
 
-        t = {
-            "q": randn(p.batch, p.heads_q, p.seqlen_q, p.head_dim),
-            "k": randn(p.batch, p.heads_kv, p.seqlen_k, p.head_dim),
-            "v": randn(p.batch, p.heads_kv, p.seqlen_k, p.head_dim),
-        }
+        if p.varlen:  # packed (total, H, D)
+            t = {
+                "q": randn(p.total_q, p.heads_q, p.head_dim),
+                "k": randn(p.total_k, p.heads_kv, p.head_dim),
+                "v": randn(p.total_k, p.heads_kv, p.head_dim),
+            }
+        else:
+            t = {
+                "q": randn(p.batch, p.heads_q, p.seqlen_q, p.head_dim),
+                "k": randn(p.batch, p.heads_kv, p.seqlen_k, p.head_dim),
+                "v": randn(p.batch, p.heads_kv, p.seqlen_k, p.head_dim),
+            }
         if p.op == "bwd":
-            t["dout"] = randn(p.batch, p.heads_q, p.seqlen_q, p.head_dim)
-            out, lse = reference_attention(t["q"], t["k"], t["v"], p.causal, self.scale, torch.float32)
+            t["dout"] = randn(*t["q"].shape)
+            fkw = {k: v for k, v in self.features.items() if k != "deterministic"}
+            out, lse = reference_attention(t["q"], t["k"], t["v"], p.causal, self.scale, torch.float32, **fkw)
             t["out"] = out.to(self.dtype)
             t["lse"] = lse.float()
         return t
@@ -249,6 +343,8 @@ class Workload:
         def alloc(like: torch.Tensor) -> torch.Tensor:
             return torch.full_like(like, fill) if fill is not None else torch.empty_like(like)
 
+        if self.features:
+            return self._launch_features(backend, cand, t, alloc, fill)
         if p.op == "fwd":
             outs = {"out": alloc(t["q"])}
             if fill is None and self.device.type == "cuda":
@@ -309,6 +405,53 @@ class Workload:
 
         return bwd, outs
 
+    def _launch_features(
+        self, backend: Backend, cand: Candidate, t: dict[str, torch.Tensor], alloc: Callable[[torch.Tensor], torch.Tensor],
+        fill: float | None,
+    ) -> tuple[Callable[[], object], dict[str, torch.Tensor]]:
+        """:meth:`launch` for a problem with features: the forward as a call with them runs it
+        on CUDA when timed (``attention``/``varlen_attention`` forced to the candidate; with
+        dropout each call draws its own mask, as a training step does), else the backend's
+        ``forward``/``backward`` with the feature arguments."""
+        p = self.problem
+        fkw = self.features
+        if p.op == "fwd":
+            outs = {"out": alloc(t["q"])}
+            if fill is None and self.device.type == "cuda":
+                call = {
+                    "causal": p.causal, "scale": self.scale, "backend": backend.name, "config": cand.config,
+                    "allow_fp16_accum": p.allow_fp16_accum,
+                    **{k: v for k, v in fkw.items() if k in ("window", "softcap", "alibi_slopes", "dropout_p")},
+                }  # fmt: skip
+                q, k, v = t["q"], t["k"], t["v"]
+                if p.varlen:
+                    args = (fkw["cu_seqlens_q"], fkw["cu_seqlens_k"], fkw["max_seqlen_q"], fkw["max_seqlen_k"])
+                    return (lambda: varlen_attention(q, k, v, *args, **call)), outs
+                return (lambda: attention(q, k, v, **call)), outs
+            fwd_kw = {k: v for k, v in fkw.items() if k != "deterministic"}
+
+            def fwd() -> object:
+                lse = backend.forward(
+                    t["q"], t["k"], t["v"], outs["out"], config=cand.config, causal=p.causal, scale=self.scale,
+                    need_lse=True, **fwd_kw,
+                )
+                if lse is None:
+                    raise RuntimeError(f"{cand.label} returned no log-sum-exp with need_lse=True")
+                outs["lse"] = lse
+                return lse
+
+            return fwd, outs
+        outs = {"dq": alloc(t["q"]), "dk": alloc(t["k"]), "dv": alloc(t["v"])}
+
+        def bwd() -> object:
+            backend.backward(
+                t["dout"], t["q"], t["k"], t["v"], t["out"], t["lse"], outs["dq"], outs["dk"], outs["dv"],
+                config=cand.config, causal=p.causal, scale=self.scale, **fkw,
+            )
+            return None
+
+        return bwd, outs
+
     def _recorded(self, backend: Backend, cand: Candidate, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """(out, leaves) with the training call's backward recorded, on CUDA tensors; None
         elsewhere (the backend's backward is then called directly)."""
@@ -328,6 +471,8 @@ class Workload:
         import torch.nn.functional as F
 
         p = self.problem
+        if p.varlen:  # the packed inputs as one sequence: a timing figure only
+            t = {n: x.transpose(0, 1).unsqueeze(0) for n, x in t.items() if n in ("q", "k", "v", "dout")}
         kw = {"is_causal": p.causal, "scale": self.scale}
         if p.group_size > 1:
             kw["enable_gqa"] = True
@@ -352,7 +497,8 @@ class Workload:
         if self._refs is None:
             p = self.problem
             self._refs = reference_bounds(
-                self.check_inputs(), op=p.op, causal=p.causal, scale=self.scale, factor=self._factor()
+                self.check_inputs(), op=p.op, causal=p.causal, scale=self.scale, factor=self._factor(),
+                features=self.features,
             )
         return self._refs
 
