@@ -63,6 +63,30 @@ def check_scale(scale: object, head_dim: int) -> float:
     return value
 
 
+def _check_alike(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, api: str) -> None:
+    """q, k and v on one device, of one supported dtype (``api`` names the function that
+    supports it), k and v of one shape: checked alike for dense and packed inputs."""
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k and v must be on the same device, got q on {q.device}, k on {k.device}, "
+            f"v on {v.device}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"q, k and v must have the same dtype, got q {dtype_name(q.dtype)}, "
+            f"k {dtype_name(k.dtype)}, v {dtype_name(v.dtype)}"
+        )
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"dtype {dtype_name(q.dtype)} is not supported; {api} supports "
+            + " and ".join(SUPPORTED_DTYPES.values())
+        )
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}"
+        )
+
+
 def check_inputs(
     q: object, k: object, v: object, layout: object
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -81,25 +105,7 @@ def check_inputs(
                 f"{name} must be 4-dimensional {dims} for layout {layout!r}, "
                 f"got shape {tuple(t.shape)}"
             )
-    if not (q.device == k.device == v.device):
-        raise ValueError(
-            f"q, k and v must be on the same device, got q on {q.device}, k on {k.device}, "
-            f"v on {v.device}"
-        )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(
-            f"q, k and v must have the same dtype, got q {dtype_name(q.dtype)}, "
-            f"k {dtype_name(k.dtype)}, v {dtype_name(v.dtype)}"
-        )
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"dtype {dtype_name(q.dtype)} is not supported; sparktune.attention supports "
-            + " and ".join(SUPPORTED_DTYPES.values())
-        )
-    if k.shape != v.shape:
-        raise ValueError(
-            f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}"
-        )
+    _check_alike(q, k, v, "sparktune.attention")
     qb, kb, vb = (bhnd(t, layout) for t in (q, k, v))
     if qb.shape[0] != kb.shape[0]:
         raise ValueError(f"batch sizes differ: q has {qb.shape[0]}, k and v have {kb.shape[0]}")
@@ -440,25 +446,7 @@ def check_varlen_inputs(
                 f"{name} must be 3-dimensional (total_tokens, heads, head_dim) for "
                 f"varlen_attention, got shape {tuple(t.shape)}"
             )
-    if not (q.device == k.device == v.device):
-        raise ValueError(
-            f"q, k and v must be on the same device, got q on {q.device}, k on {k.device}, "
-            f"v on {v.device}"
-        )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(
-            f"q, k and v must have the same dtype, got q {dtype_name(q.dtype)}, "
-            f"k {dtype_name(k.dtype)}, v {dtype_name(v.dtype)}"
-        )
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"dtype {dtype_name(q.dtype)} is not supported; sparktune.varlen_attention "
-            "supports " + " and ".join(SUPPORTED_DTYPES.values())
-        )
-    if k.shape != v.shape:
-        raise ValueError(
-            f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}"
-        )
+    _check_alike(q, k, v, "sparktune.varlen_attention")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"head_dim differs: q has {q.shape[2]}, k and v have {k.shape[2]}")
     if not (q.shape[1] and q.shape[2] and k.shape[1]):

@@ -73,9 +73,10 @@ def forward_problem(key: tuple[Any, ...]) -> Problem:
     ``(window_left, window_right, softcap, alibi, dropout, varlen, total_q, total_k)``."""
     problem = _problems.get(key)
     if problem is None:
-        if len(key) > 9:
-            return _feature_problem(key)
-        dtype, b, hq, hk, nq, nk, d, causal, fp16 = key
+        dtype, b, hq, hk, nq, nk, d, causal, fp16, *features = key
+        extra = (
+            dict(zip(_FEATURE_FIELDS, features, strict=True)) if features else {}
+        )
         problem = Problem(
             op="fwd",
             dtype=SUPPORTED_DTYPES[dtype],
@@ -87,6 +88,7 @@ def forward_problem(key: tuple[Any, ...]) -> Problem:
             head_dim=d,
             causal=causal,
             allow_fp16_accum=fp16,
+            **extra,
         )
         if len(_problems) >= _PROBLEMS_MAX:
             _problems.clear()
@@ -94,32 +96,10 @@ def forward_problem(key: tuple[Any, ...]) -> Problem:
     return problem
 
 
-def _feature_problem(key: tuple[Any, ...]) -> Problem:
-    dtype, b, hq, hk, nq, nk, d, causal, fp16, wl, wr, cap, alibi, drop, varlen, tq, tk = key
-    problem = Problem(
-        op="fwd",
-        dtype=SUPPORTED_DTYPES[dtype],
-        batch=b,
-        heads_q=hq,
-        heads_kv=hk,
-        seqlen_q=nq,
-        seqlen_k=nk,
-        head_dim=d,
-        causal=causal,
-        allow_fp16_accum=fp16,
-        window_left=wl,
-        window_right=wr,
-        softcap=cap,
-        alibi=alibi,
-        dropout=drop,
-        varlen=varlen,
-        total_q=tq,
-        total_k=tk,
-    )
-    if len(_problems) >= _PROBLEMS_MAX:
-        _problems.clear()
-    _problems[key] = problem
-    return problem
+#: the feature fields that follow the plain ones in a call's key (see forward_problem)
+_FEATURE_FIELDS = (
+    "window_left", "window_right", "softcap", "alibi", "dropout", "varlen", "total_q", "total_k",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
