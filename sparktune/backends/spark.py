@@ -99,6 +99,15 @@ class SparkBackend(Backend):
         (70, 128): (64, 32, 2, 4),
     }
 
+    # Hopper forward defaults per head dim: the name's tile and schedule suffix of the sm90
+    # family. Both head dims: the intra-warpgroup overlap kernel with 128 x 128 tiles and two
+    # stages was the fastest or within 2% of it at every seqlen >= 4k of the 16k-token sweep on
+    # an H200 (tools/gpu_check_sm90.py, BENCHMARKS.md); the tuner replaces it per shape.
+    _DEFAULTS90 = {
+        ("fwd", 64): "m128n128_s2_ov1_pp0",
+        ("fwd", 128): "m128n128_s2_ov1_pp0",
+    }
+
     def __init__(self) -> None:
         self._kernels: dict[str, dict[str, Any]] | None = None
 
@@ -205,6 +214,13 @@ class SparkBackend(Backend):
         if not cands:
             return None
         cat = self._catalogue()
+        if device is not None and device.arch == 90:
+            tail = self._DEFAULTS90.get((problem.op, problem.head_dim))
+            hopper = [c.config for c in cands if cat[c.config]["family"] == 90]
+            if tail is not None:
+                exact = [n for n in hopper if n.endswith("_" + tail)]
+                if exact:
+                    return min(exact)
         family = 70 if device is not None and device.arch < 80 else 80
         defaults = self._BWD_DEFAULTS if problem.op == "bwd" else self._DEFAULTS
         want = defaults.get((family, problem.head_dim))
