@@ -169,6 +169,9 @@ def forward_space() -> list[FwdEntry | Fwd90Entry]:
     sched90 = [(64, 128, 128, 2), (64, 128, 128, 3), (128, 128, 128, 2), (128, 128, 64, 3)]
     entries += [Fwd90Entry(dt, hd, bm, bn, st, True, pp) for dt in ("f16", "bf16")
                 for hd, bm, bn, st in sched90 for pp in (False, True)]
+    # head dim 64 with three consumer warpgroups (192 query rows a block): the overlap order
+    # only (ping-pong alternates between two warpgroups)
+    entries += [Fwd90Entry(dt, 64, 192, 128, 2, True, False) for dt in ("f16", "bf16")]
     names = [e.name for e in entries]
     assert len(names) == len(set(names)), "duplicate configuration names"
     return entries
