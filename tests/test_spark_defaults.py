@@ -34,7 +34,7 @@ NAMES = [
     "fwd_sm90_f16_d128_m128n128_s2_ov1_pp0",
     "fwd_sm90_f16_d128_m128n128_s2_ov1_pp1",
     "fwd_sm90_bf16_d128_m128n128_s2_ov1_pp0",
-    "fwd_sm90_f16_d64_m128n128_s3_ov1_pp0",
+    "fwd_sm90_f16_d64_m128n128_s2_ov1_pp0",
     "fwd_sm80_f16_d64_m128n64_w4x1_acc32",
 ]
 
@@ -63,6 +63,6 @@ def test_other_gpus_never_take_sm90(backend):
 
 
 def test_hopper_without_the_default_sm90_kernel_takes_the_sm80_default(backend):
-    # head dim 64: only an s3 overlap kernel is compiled, not the s2 default
+    # head dim 64: only a 128-row overlap kernel is compiled, not the 192-row default
     p = Problem("fwd", "float16", 1, 8, 8, 4096, 4096, 64, False)
     assert backend.default_config(p, H200) == "fwd_sm80_f16_d64_m128n64_w4x1_acc32"

@@ -100,11 +100,13 @@ class SparkBackend(Backend):
     }
 
     # Hopper forward defaults per head dim: the name's tile and schedule suffix of the sm90
-    # family. Both head dims: the intra-warpgroup overlap kernel with 128 x 128 tiles and two
-    # stages was the fastest or within 2% of it at every seqlen >= 4k of the 16k-token sweep on
-    # an H200 (tools/gpu_check_sm90.py, BENCHMARKS.md); the tuner replaces it per shape.
+    # family, the intra-warpgroup overlap kernels with two stages. Head dim 128: 128 x 128
+    # tiles, the fastest or within 2% of it at every seqlen >= 4k of the 16k-token sweep on an
+    # H200; head dim 64: three consumer warpgroups (192 query rows), the fastest sm90 kernel at
+    # every seqlen >= 2k of that sweep (tools/gpu_check_sm90.py, BENCHMARKS.md). The tuner
+    # replaces them per shape.
     _DEFAULTS90 = {
-        ("fwd", 64): "m128n128_s2_ov1_pp0",
+        ("fwd", 64): "m192n128_s2_ov1_pp0",
         ("fwd", 128): "m128n128_s2_ov1_pp0",
     }
 
