@@ -70,7 +70,8 @@ class Fwd90Entry:
 
     ``overlap`` (``_ov1``): softmax of key block j under the P V product of block j - 1 inside
     each consumer warpgroup; ``pingpong`` (``_pp1``, needs ``overlap``): the two consumer
-    warpgroups take turns issuing their GEMMs. Both off: no suffix, the original kernel."""
+    warpgroups take turns issuing their GEMMs. Both off: no suffix, the original kernel.
+    ``persistent`` (``_ps1``): one block per SM walks the tiles (see sm90_fwd_config.h)."""
 
     rules_header = "sparktune/sm90_fwd_config.h"
     launch_header = "sparktune/sm90_fwd_launch.h"
@@ -84,10 +85,13 @@ class Fwd90Entry:
     stages: int
     overlap: bool = False
     pingpong: bool = False
+    persistent: bool = False
 
     @property
     def name(self) -> str:
         sched = f"_ov{int(self.overlap)}_pp{int(self.pingpong)}" if self.overlap or self.pingpong else ""
+        if self.persistent:
+            sched += "_ps1"
         return (
             f"fwd_sm90_{self.dtype}_d{self.head_dim}_m{self.block_m}n{self.block_n}"
             f"_s{self.stages}{sched}"
@@ -96,8 +100,10 @@ class Fwd90Entry:
     @property
     def config_type(self) -> str:
         sched = ""
-        if self.overlap or self.pingpong:
+        if self.overlap or self.pingpong or self.persistent:
             sched = f", {str(self.overlap).lower()}, {str(self.pingpong).lower()}"
+        if self.persistent:
+            sched += ", true"
         return (
             f"Sm90FwdConfig<{DTYPES[self.dtype][1]}, {self.head_dim}, {self.block_m}, "
             f"{self.block_n}, {self.stages}{sched}>"
@@ -172,6 +178,14 @@ def forward_space() -> list[FwdEntry | Fwd90Entry]:
     # head dim 64 with three consumer warpgroups (192 query rows a block): the overlap order
     # only (ping-pong alternates between two warpgroups)
     entries += [Fwd90Entry(dt, 64, 192, 128, 2, True, False) for dt in ("f16", "bf16")]
+    # persistent blocks (``_ps1``): the plain and the overlapped orders of the fastest tiles
+    # (not m192n128 at head dim 64: under three consumer warpgroups its tile loop spilled 36 B
+    # in ptxas -v for sm_90a)
+    pers90 = [(64, 128, 128, 2, False, False), (64, 128, 128, 2, True, False),
+              (128, 128, 128, 2, False, False), (128, 128, 128, 2, True, False),
+              (128, 128, 128, 2, True, True)]
+    entries += [Fwd90Entry(dt, hd, bm, bn, st, ov, pp, True) for dt in ("f16", "bf16")
+                for hd, bm, bn, st, ov, pp in pers90]
     names = [e.name for e in entries]
     assert len(names) == len(set(names)), "duplicate configuration names"
     return entries
