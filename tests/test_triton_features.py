@@ -18,42 +18,17 @@ import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from sparktune.kernels import triton_space as space
+from sparktune.problem import Problem
 
 FWD = "tfwd_m16n16_w1s1"
 #: a separate dQ kernel (deterministic) and atomic dQ
 BWD = ("tbwd_m16n16_w1s1", "tbwd_m16n32_w1s1_dqatomic")
 FLOOR = 1e-5
-
-
-@dataclass(frozen=True)
-class FeatureProblem:
-    """A problem key with the feature fields of docs/FEATURES.md (what sparktune.problem.Problem
-    gains; the kernels read them with defaults, so any object with these fields works)."""
-
-    op: str
-    dtype: str
-    batch: int
-    heads_q: int
-    heads_kv: int
-    seqlen_q: int
-    seqlen_k: int
-    head_dim: int
-    causal: bool
-    window_left: int = -1
-    window_right: int = -1
-    softcap: bool = False
-    alibi: bool = False
-    dropout: bool = False
-    deterministic: bool = False
-    varlen: bool = False
-    total_q: int = 0
-    total_k: int = 0
 
 
 # ------------------------------------------------------------------------------------------
@@ -487,7 +462,7 @@ def test_window_normalisation():
 
 
 def test_deterministic_problems_refuse_atomic_dq():
-    p = FeatureProblem("bwd", "bfloat16", 1, 8, 8, 1024, 1024, 64, True, deterministic=True)
+    p = Problem("bwd", "bfloat16", 1, 8, 8, 1024, 1024, 64, True, deterministic=True)
     atomic = space.parse_config("tbwd_m64n128_w8s2_dqatomic")
     separate = space.parse_config("tbwd_m64n128_w8s2")
     assert any("atomics" in r for r in space.config_reasons(atomic, p, None))
@@ -518,7 +493,7 @@ def test_feature_kernels_compile_for_sm90(op, config, feature):
         pytest.skip("TRITON_INTERPRET is set: this process has no compiler-backed kernels")
     from sparktune.kernels import triton_attn
 
-    p = FeatureProblem(op, "bfloat16", 2, 8, 4, 4096, 4096, 64, True, **OFFLINE_FEATURES[feature])
+    p = Problem(op, "bfloat16", 2, 8, 4, 4096, 4096, 64, True, **OFFLINE_FEATURES[feature])
     kernels = triton_attn.compile_offline(p, config, 90)
     expected = {"fwd": ["_fwd_kernel"], "bwd": ["_bwd_preprocess", "_bwd_dkdv_kernel", "_bwd_dq_kernel"]}
     assert [k["kernel"] for k in kernels] == expected[op]

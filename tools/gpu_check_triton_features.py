@@ -32,10 +32,8 @@ correctness check failed.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import math
-import multiprocessing
 import os
 import statistics
 import sys
@@ -45,37 +43,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sparktune.backends.triton import warmup_jobs
 from sparktune.kernels import triton_attn as ta
 from sparktune.kernels import triton_space as space
-from sparktune.problem import DeviceInfo
+from sparktune.problem import DeviceInfo, Problem
 
 FACTOR = 2.0
 FLOOR = 1e-5
-
-
-@dataclass(frozen=True)
-class FeatureProblem:
-    """The problem key with the feature fields of docs/FEATURES.md (what the kernels' warmup
-    reads)."""
-
-    op: str
-    dtype: str
-    batch: int
-    heads_q: int
-    heads_kv: int
-    seqlen_q: int
-    seqlen_k: int
-    head_dim: int
-    causal: bool
-    window_left: int = -1
-    window_right: int = -1
-    softcap: bool = False
-    alibi: bool = False
-    dropout: bool = False
-    deterministic: bool = False
-    varlen: bool = False
-    total_q: int = 0
-    total_k: int = 0
 
 
 @dataclass
@@ -104,15 +78,17 @@ class Case:
     def batch(self) -> int:
         return len(self.lens_q)
 
-    def problem(self, op: str) -> FeatureProblem:
+    def problem(self, op: str) -> Problem:
         left, right = self.window
         if self.causal:
             right = -1
-        return FeatureProblem(
+        return Problem(
             op, str(self.dtype).replace("torch.", ""), self.batch, self.heads_q, self.heads_kv,
-            max(self.lens_q), max(self.lens_k), self.head_dim, self.causal, left, right,
-            self.softcap > 0, self.alibi is not None, self.dropout_p > 0, False, self.varlen,
-            sum(self.lens_q) if self.varlen else 0, sum(self.lens_k) if self.varlen else 0)
+            max(self.lens_q), max(self.lens_k), self.head_dim, self.causal, window_left=left,
+            window_right=right, softcap=self.softcap > 0, alibi=self.alibi is not None,
+            dropout=self.dropout_p > 0, varlen=self.varlen,
+            total_q=sum(self.lens_q) if self.varlen else 0,
+            total_k=sum(self.lens_k) if self.varlen else 0)
 
 
 F16, BF16 = torch.float16, torch.bfloat16
@@ -390,28 +366,14 @@ def check_deterministic(case: Case, device, devinfo: DeviceInfo) -> list[tuple[b
 # ------------------------------------------------------------------------------------------
 
 
-def _warm(problem: FeatureProblem, config: str) -> str | None:
-    try:
-        ta.warmup(problem, [config])
-        return None
-    except Exception as exc:  # noqa: BLE001 - reported, the run then compiles it itself
-        return f"{problem} {config}: {type(exc).__name__}: {exc}"
-
-
 def precompile(jobs, processes: int) -> None:
+    """Compile every (problem, config) job first, in ``processes`` workers (what the tuner's
+    warm-up does), so that the checks and the timing do not wait for Triton."""
     jobs = list(dict.fromkeys(jobs))
     t0 = time.perf_counter()
-    if processes <= 1:
-        errors = [_warm(p, c) for p, c in jobs]
-    else:
-        ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx) as pool:
-            errors = list(pool.map(_warm, *zip(*jobs, strict=True)))
-    for e in errors:
-        if e:
-            print(f"  warmup failed: {e}", flush=True)
+    warmup_jobs(jobs, processes=processes)
     print(f"compiled {len(jobs)} (problem, config) jobs in {time.perf_counter() - t0:.1f} s "
-          f"with {processes} processes", flush=True)
+          f"with up to {processes} processes", flush=True)
 
 
 # ------------------------------------------------------------------------------------------
