@@ -52,7 +52,9 @@ def _tma_refuses(config: str, strides: Sequence[Sequence[int]]) -> bool:
     """The sm90 kernels read through TMA descriptors, whose batch, head and row strides must be
     positive (a broadcast view with a zero stride is refused); the 16-byte rule is
     :func:`_rows_misaligned`'s."""
-    return config.startswith("fwd_sm90_") and any(x <= 0 for st in strides for x in st[:3])
+    return config.startswith(("fwd_sm90_", "bwd_sm90_")) and any(
+        x <= 0 for st in strides for x in st[:3]
+    )
 
 
 def _device_index_for(device: DeviceInfo) -> int | None:
@@ -62,8 +64,9 @@ def _device_index_for(device: DeviceInfo) -> int | None:
 
 class SparkBackend(Backend):
     name = "spark"
-    #: the CUDA families take no attention feature yet (docs/FEATURES.md)
-    features = frozenset()
+    #: docs/FEATURES.md: only "deterministic" (a backward problem's: the backward of family 90
+    #: adds dQ in a fixed order when asked; the other families' backward kernels are refused)
+    features = frozenset({"deterministic"})
 
     # Heuristic defaults per (family, head_dim): (block_m, block_n, warps_m, warps_n). The
     # m16n8k16 entries for hd 64 and 128 are the configs that won most shapes of the 16k-token
@@ -97,6 +100,11 @@ class SparkBackend(Backend):
         (70, 32): (64, 64, 2, 4),
         (70, 64): (64, 64, 2, 4),
         (70, 128): (64, 32, 2, 4),
+        # Hopper (family 90, picked on sm_90 only): to be measured (tools/gpu_check_sm90_bwd.py).
+        # A guess from the register budget: head dim 64 with query tiles of 128, head dim 128
+        # with 64 (two consumer warpgroups of 64 keys; warps_m counts the consumer warps).
+        (90, 64): (128, 128, 8, 1),
+        (90, 128): (64, 128, 8, 1),
     }
 
     def __init__(self) -> None:
@@ -140,6 +148,11 @@ class SparkBackend(Backend):
             reasons.append(f"built for head_dim {k['head_dim']}, not {problem.head_dim}")
         if k["accum"] == 16 and not problem.allow_fp16_accum:
             reasons.append("accumulates in fp16, which the caller did not allow (allow_fp16_accum=False)")
+        if getattr(problem, "deterministic", False) and problem.op == "bwd" and k["family"] != 90:
+            reasons.append(
+                "adds dQ with float atomics in no fixed order: gradients not bitwise reproducible "
+                "(deterministic=True needs a family 90 backward, bwd_sm90_*)"
+            )
         if device is not None:
             archs = k.get("archs") or (self.build_info() or {}).get("archs", [])
             if k["family"] == 90 and device.arch != 90:
@@ -206,6 +219,13 @@ class SparkBackend(Backend):
             return None
         cat = self._catalogue()
         family = 70 if device is not None and device.arch < 80 else 80
+        if (
+            problem.op == "bwd"
+            and device is not None
+            and device.arch == 90
+            and any(cat[c.config]["family"] == 90 for c in cands)
+        ):
+            family = 90  # the Hopper backward where it runs (its defaults are to be measured)
         defaults = self._BWD_DEFAULTS if problem.op == "bwd" else self._DEFAULTS
         want = defaults.get((family, problem.head_dim))
 
@@ -350,11 +370,13 @@ class SparkBackend(Backend):
         config: str,
         causal: bool,
         scale: float,
+        deterministic: bool = False,
     ) -> None:
         """Write the gradients of attention(q, k, v) for ``dout`` into dq, dk, dv (any strides
         with a contiguous last dimension; GQA: dk and dv have k's heads). ``out`` and ``lse`` are
         the forward's. Two fp32 workspaces are allocated per call: the dQ sum (q's size) and
-        D = rowsum(dout * out)."""
+        D = rowsum(dout * out). ``deterministic`` (family 90 only): a third, int32 counters per
+        query row block, makes the key blocks add their dQ parts in a fixed order."""
         import torch
 
         mod, err = load_extension()
@@ -382,6 +404,21 @@ class SparkBackend(Backend):
                              f"{tuple(lse.shape)}")
         if not (scale > 0 and math.isfinite(scale)):
             raise ValueError(f"scale must be a finite positive number, got {scale!r}")
+        if _tma_refuses(config, [t.stride() for _, t in tensors[:5]]):
+            raise ValueError(
+                f"{config} reads q, k, v and dout through TMA descriptors, which need positive "
+                "batch, head and row strides; make the inputs contiguous or use another kernel"
+            )
+        semaphore = None
+        if deterministic:
+            info = self._catalogue().get(config)
+            if info is None or info["family"] != 90:
+                raise ValueError(
+                    f"{config} adds dQ with float atomics in no fixed order: deterministic=True "
+                    "needs a family 90 backward (bwd_sm90_*)"
+                )
+            m_blocks = -(-nq // int(info["block_m"]))
+            semaphore = torch.zeros((b, hq, m_blocks), device=q.device, dtype=torch.int32)
         lse = lse.contiguous()
         dq_accum = torch.empty((b, hq, nq, d), device=q.device, dtype=torch.float32)
         dsum = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
@@ -395,4 +432,5 @@ class SparkBackend(Backend):
                 q.stride()[:3], k.stride()[:3], v.stride()[:3], out.stride()[:3],
                 dout.stride()[:3], dq.stride()[:3], dk.stride()[:3], dv.stride()[:3],
                 float(scale), bool(causal), stream,
+                semaphore.data_ptr() if semaphore is not None else 0,
             )
