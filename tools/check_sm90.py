@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT = "fwd_sm90_f16_d128_m128n128_s2,bwd_sm90_f16_d128_m64n128_s2"
+DEFAULT = "fwd_sm90_f16_d128_m128n128_s2,bwd_sm90_f16_d64_m64n128_s2"
 NVCC_FLAGS = ["-std=c++17", "-O3", "--expt-relaxed-constexpr", "--use_fast_math"]
 GENCODE = ["-gencode", "arch=compute_90a,code=sm_90a"]
 

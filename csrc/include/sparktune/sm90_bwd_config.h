@@ -41,11 +41,20 @@ struct Sm90BwdConfig {
   static constexpr int kDqCols = kHeadDim / (kConsumerWarpgroups > 0 ? kConsumerWarpgroups : 1);
 
   // ---- registers (setmaxnreg moves the producer's registers to the consumers) ----
-  // 32: the producer loops over the group and the query blocks with two pipelines (24 spilled)
-  static constexpr int kProducerRegs = 32;
+  // The block starts with the registers of its launch (ptxas gives every thread the most that
+  // __launch_bounds__(kThreads, 1) allows: 65536 / kThreads rounded down to 8, at most 255);
+  // setmaxnreg only moves registers within that pool, so the producer's kProducerRegs plus the
+  // consumers' share must fit it, or the consumers' setmaxnreg.inc waits forever. Each consumer
+  // thread gets the rest, rounded down to a multiple of 8 and capped at 240.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kLaunchRegsRaw = 65536 / kThreads;
+  static constexpr int kLaunchRegs = (kLaunchRegsRaw > 255 ? 255 : kLaunchRegsRaw) / 8 * 8;
+  static constexpr int kRegPool = kLaunchRegs * kThreads;
   static constexpr int kConsumerRegsRaw =
-      (65536 - 128 * kProducerRegs) / (kConsumerThreads > 0 ? kConsumerThreads : 1);
+      (kRegPool - 128 * kProducerRegs) / (kConsumerThreads > 0 ? kConsumerThreads : 1);
   static constexpr int kConsumerRegs = (kConsumerRegsRaw > 240 ? 240 : kConsumerRegsRaw) / 8 * 8;
+  static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= kRegPool || kConsumerThreads == 0,
+                "setmaxnreg would ask for more registers than the block was launched with");
   // What a consumer thread keeps live at the peak of a step: dK and dV (64 x head_dim fp32 per
   // warpgroup, held over the whole walk), S^T and dP^T (64 x block_m fp32) and their 16-bit
   // copies P^T and dS^T (half as many registers); kRegOverhead for addresses, descriptors,

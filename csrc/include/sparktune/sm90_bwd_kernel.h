@@ -88,6 +88,24 @@ struct BwdWalk {
     }
   }
   CUTE_DEVICE bool empty() const { return m_begin >= m_blocks; }
+  // steps of the whole walk: every query head of the group times the row blocks
+  CUTE_DEVICE int steps(int group) const { return empty() ? 0 : group * (m_blocks - m_begin); }
+};
+
+// Step t of the walk, worked out from t alone (so that producer and consumers keep one counter
+// alive, not five): the group's head g, the row block m, the pipeline slot and its phase, and
+// the dS buffer.
+template <int kStages>
+struct BwdStep {
+  int g, m, stage, phase, buf;
+  CUTE_DEVICE BwdStep(BwdWalk const& walk, int t) {
+    const int per_head = walk.m_blocks - walk.m_begin;
+    g = t / per_head;
+    m = walk.m_begin + (t - g * per_head);
+    stage = t % kStages;
+    phase = (t / kStages) & 1;
+    buf = t & 1;
+  }
 };
 
 }  // namespace sm90
@@ -178,54 +196,44 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       cute::copy(args.tma_k.with(reinterpret_cast<uint64_t&>(kv_full)), tKgK, tKsK);
       cute::copy(args.tma_v.with(reinterpret_cast<uint64_t&>(kv_full)), tVgV, tVsV);
 
-      int stage = 0, phase = 0;
-      for (int g = 0; g < p.group; ++g) {
-        const int head = kv_head * p.group + g;
-        Tensor gQ = local_tile(mQ(_, _, head, batch), tile_q, make_coord(_, _0{}));  // (BM,D,m)
-        Tensor gDo = local_tile(mDo(_, _, head, batch), tile_q, make_coord(_, _0{}));
-        auto [tQgQ, tQsQ] = tma_partition(args.tma_q, _0{}, Layout<_1>{},
-                                          group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      for (int t = 0; t < walk.steps(p.group); ++t) {
+        const sm90::BwdStep<kStages> at(walk, t);
+        const int head = kv_head * p.group + at.g;
+        Tensor gQ = local_tile(mQ(_, _, head, batch), tile_q, make_coord(at.m, _0{}));
+        Tensor gDo = local_tile(mDo(_, _, head, batch), tile_q, make_coord(at.m, _0{}));
+        Tensor sQs = sQ(_, _, at.stage);
+        Tensor sDos = sDo(_, _, at.stage);
+        auto [tQgQ, tQsQ] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQs),
+                                          group_modes<0, 2>(gQ));
         auto [tDogDo, tDosDo] = tma_partition(args.tma_do, _0{}, Layout<_1>{},
-                                              group_modes<0, 2>(sDo), group_modes<0, 2>(gDo));
-        for (int m = walk.m_begin; m < walk.m_blocks; ++m) {
-          empty[stage].wait(phase ^ 1);
-          qdo_full[stage].arrive_and_expect_tx(2 * Traits::kTmaBytesQ);
-          cute::copy(args.tma_q.with(reinterpret_cast<uint64_t&>(qdo_full[stage])), tQgQ(_, m),
-                     tQsQ(_, stage));
-          cute::copy(args.tma_do.with(reinterpret_cast<uint64_t&>(qdo_full[stage])),
-                     tDogDo(_, m), tDosDo(_, stage));
-          if (++stage == kStages) {
-            stage = 0;
-            phase ^= 1;
-          }
-        }
+                                              group_modes<0, 2>(sDos), group_modes<0, 2>(gDo));
+        empty[at.stage].wait(at.phase ^ 1);
+        qdo_full[at.stage].arrive_and_expect_tx(2 * Traits::kTmaBytesQ);
+        cute::copy(args.tma_q.with(reinterpret_cast<uint64_t&>(qdo_full[at.stage])), tQgQ, tQsQ);
+        cute::copy(args.tma_do.with(reinterpret_cast<uint64_t&>(qdo_full[at.stage])), tDogDo,
+                   tDosDo);
       }
     } else if (warp == 1) {
       // the statistics of the same tiles, in the same order
-      int stage = 0, phase = 0;
-      for (int g = 0; g < p.group; ++g) {
-        const int64_t stat0 = (int64_t(batch) * p.heads_q + kv_head * p.group + g) * p.seqlen_q;
-        for (int m = walk.m_begin; m < walk.m_blocks; ++m) {
-          empty[stage].wait(phase ^ 1);
-          float* lse_s = st.lse() + stage * kBlockM;
-          float* d_s = st.dsum() + stage * kBlockM;
-          for (int i = lane; i < kBlockM; i += 32) {
-            const int row = m * kBlockM + i;
-            float l = kInf, d = 0.f;
-            if (row < p.seqlen_q) {
-              const float lse = p.lse[stat0 + row];
-              l = lse == -kInf ? kInf : lse * kLog2e;  // a row with no visible key: P = 0
-              d = p.dsum[stat0 + row];
-            }
-            lse_s[i] = l;
-            d_s[i] = d;
+      for (int t = 0; t < walk.steps(p.group); ++t) {
+        const sm90::BwdStep<kStages> at(walk, t);
+        const int64_t stat0 =
+            (int64_t(batch) * p.heads_q + kv_head * p.group + at.g) * p.seqlen_q;
+        empty[at.stage].wait(at.phase ^ 1);
+        float* lse_s = st.lse() + at.stage * kBlockM;
+        float* d_s = st.dsum() + at.stage * kBlockM;
+        for (int i = lane; i < kBlockM; i += 32) {
+          const int row = at.m * kBlockM + i;
+          float l = kInf, d = 0.f;
+          if (row < p.seqlen_q) {
+            const float lse = p.lse[stat0 + row];
+            l = lse == -kInf ? kInf : lse * kLog2e;  // a row with no visible key: P = 0
+            d = p.dsum[stat0 + row];
           }
-          stats_full[stage].arrive();  // release: the stores above are visible to the waiters
-          if (++stage == kStages) {
-            stage = 0;
-            phase ^= 1;
-          }
+          lse_s[i] = l;
+          d_s[i] = d;
         }
+        stats_full[at.stage].arrive();  // release: the stores above are visible to the waiters
       }
     }
     return;
@@ -259,16 +267,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
   Tensor c_rc = make_tensor(tScS.data(), sm90::rowcol_view(tScS.layout()));
   Tensor tQcQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  const float scale_log2 = p.scale_log2;
   const bool deterministic = p.dq_semaphore != nullptr;
 
   if (!walk.empty()) {
     kv_full.wait(0);
-    int stage = 0, phase = 0, buf = 0;
-    for (int g = 0; g < p.group; ++g) {
-      const int head = kv_head * p.group + g;
-      const int64_t bh = int64_t(batch) * p.heads_q + head;
-      for (int m = walk.m_begin; m < walk.m_blocks; ++m) {
+    for (int t = 0; t < walk.steps(p.group); ++t) {
+      {
+        const sm90::BwdStep<kStages> at(walk, t);
+        const int stage = at.stage, phase = at.phase, buf = at.buf, m = at.m;
+        const int64_t bh = int64_t(batch) * p.heads_q + kv_head * p.group + at.g;
         const int row0 = m * kBlockM;
         // S^T = K Q^T and dP^T = V dO^T, back to back
         Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
@@ -294,7 +301,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             const int qi = get<1>(c_rc(r, c));
             const bool hidden =
                 masked && (key >= p.seqlen_k || (p.causal && key > row0 + qi + diag));
-            s_rc(r, c) = hidden ? 0.f : exp2f(fmaf(s_rc(r, c), scale_log2, -lse_s[qi]));
+            s_rc(r, c) = hidden ? 0.f : exp2f(fmaf(s_rc(r, c), p.scale_log2, -lse_s[qi]));
           }
         }
         warpgroup_wait<0>();  // dP^T is done
@@ -323,13 +330,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
         // dQ part = dS K once every warpgroup's keys of dS^T are in shared memory
         cutlass::arch::NamedBarrier::sync(kConsumerThreads, kBarDsReady);
-        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-        sm90::wgmma_gemm<true, false>(mma_dq, tQrDs(_, _, _, buf), tQrKt, acc_dq);
+        // dV and dK are done: P^T and dS^T leave the registers before dQ's accumulator comes
+        // (ptxas spilled more with both in flight under dQ)
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_dv);
         warpgroup_fence_operand(acc_dk);
-        warpgroup_fence_operand(acc_dq);
         if (lane == 0) empty[stage].arrive();  // Q, dO and the statistics of the slot are read
+        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+        sm90::wgmma_gemm<true, false>(mma_dq, tQrDs(_, _, _, buf), tQrKt, acc_dq);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dq);
 
         float* dq = p.dq_accum + (bh * p.seqlen_q + row0) * kHeadDim;
         int* sem = deterministic ? p.dq_semaphore + bh * walk.m_blocks + m : nullptr;
@@ -345,11 +355,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           cutlass::arch::NamedBarrier::sync(kConsumerThreads, kBarDqOrder);
           if (ctid == 0) atomicExch(sem, n_block + 1);
         }
-        buf ^= 1;
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
       }
     }
   }
@@ -364,21 +369,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   for (int i = 0; i < size(acc_dk); i += 2) {
     const int key = key0 + get<0>(tDcD(i));
     const int col = get<1>(tDcD(i));
-    if (key >= p.seqlen_k) continue;
     // the wgmma accumulator holds neighbouring columns (c, c + 1) of one row in i, i + 1
-    T* k_row = dk_ptr + int64_t(key) * p.dk_row_stride + col;
-    T* v_row = dv_ptr + int64_t(key) * p.dv_row_stride + col;
     if (get<0>(tDcD(i + 1)) != get<0>(tDcD(i)) || get<1>(tDcD(i + 1)) != col + 1) {
-      k_row[0] = static_cast<T>(acc_dk(i) * scale);  // not a pair: one element each
-      v_row[0] = static_cast<T>(acc_dv(i));
-      T* k2 = dk_ptr + int64_t(key0 + get<0>(tDcD(i + 1))) * p.dk_row_stride + get<1>(tDcD(i + 1));
-      T* v2 = dv_ptr + int64_t(key0 + get<0>(tDcD(i + 1))) * p.dv_row_stride + get<1>(tDcD(i + 1));
-      if (key0 + get<0>(tDcD(i + 1)) < p.seqlen_k) {
-        *k2 = static_cast<T>(acc_dk(i + 1) * scale);
-        *v2 = static_cast<T>(acc_dv(i + 1));
+      CUTE_UNROLL
+      for (int j = i; j < i + 2; ++j) {  // not a pair: one element each
+        const int kj = key0 + get<0>(tDcD(j));
+        if (kj < p.seqlen_k) {
+          dk_ptr[int64_t(kj) * p.dk_row_stride + get<1>(tDcD(j))] = static_cast<T>(acc_dk(j) * scale);
+          dv_ptr[int64_t(kj) * p.dv_row_stride + get<1>(tDcD(j))] = static_cast<T>(acc_dv(j));
+        }
       }
       continue;
     }
+    if (key >= p.seqlen_k) continue;
+    T* k_row = dk_ptr + int64_t(key) * p.dk_row_stride + col;
+    T* v_row = dv_ptr + int64_t(key) * p.dv_row_stride + col;
     using Pair = cutlass::Array<T, 2>;
     Pair kp, vp;
     kp[0] = static_cast<T>(acc_dk(i) * scale);
