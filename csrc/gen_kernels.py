@@ -1,7 +1,8 @@
 """Generate one .cu per valid configuration (forward and backward) plus the registration unit.
 
 Usage: gen_kernels.py --out DIR --nvcc NVCC --include DIR [--include DIR ...]
-                      [--filter PATTERNS] [--families 70,80,90] [--space FILE]
+                      [--filter PATTERNS|all] [--families 70,80,90] [--space FILE]
+                      [--shipped DIR]
 
 The entries come from the declared space, ``sparktune/kernels/kernel_space.py`` (``--space``),
 read from its file: CMake runs this generator with a Python that need not have sparktune's
@@ -28,6 +29,8 @@ from types import ModuleType
 #: the declared space in a source tree: <root>/csrc/gen_kernels.py and
 #: <root>/sparktune/kernels/kernel_space.py
 SPACE = Path(__file__).resolve().parent.parent / "sparktune" / "kernels" / "kernel_space.py"
+#: the shipped tuning records in a source tree: <root>/tuning_db
+SHIPPED = Path(__file__).resolve().parent.parent / "tuning_db"
 
 
 def load_space(path: Path) -> ModuleType:
@@ -90,9 +93,14 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--nvcc", required=True)
     ap.add_argument("--include", action="append", default=[])
-    ap.add_argument("--filter", default=os.environ.get("SPARKTUNE_KERNELS", ""))
+    ap.add_argument("--filter", default=os.environ.get("SPARKTUNE_KERNELS", ""),
+                    help="comma-separated shell patterns of kernel names, 'default' (each default "
+                         "and the shipped winners) and 'all' (the whole space); empty: 'default'")
     ap.add_argument("--families", default="70,80")
     ap.add_argument("--space", default=str(SPACE), help="the declared space (default: %(default)s)")
+    ap.add_argument("--shipped", default=str(SHIPPED),
+                    help="the shipped tuning records whose spark winners a default build compiles "
+                         "(default: %(default)s)")
     args = ap.parse_args()
 
     out = Path(args.out)
@@ -100,7 +108,9 @@ def main() -> int:
     families = {int(f) for f in args.families.split(",") if f.strip()}
     kernel_space = load_space(Path(args.space))
     space = kernel_space.full_space()
-    entries = [e for e in kernel_space.select(space, args.filter) if e.family in families]
+    chosen = kernel_space.build_selection(space, args.filter, Path(args.shipped))
+    what = args.filter.strip() or "default"
+    entries = [e for e in chosen if e.family in families]
     # the rules decide for the whole declared space, so that the build id names the family
     # (the same for every kernel filter): a record of a kernel is good for any build that has it
     table = probe(space, out, args.nvcc, args.include)
@@ -135,7 +145,7 @@ def main() -> int:
     write_if_changed(out / "space.tsv", "\n".join(report) + "\n")
     n_valid = sum(len(v) for v in lists.values())
     print(f"sparktune: {n_valid} kernels to build, {len(entries) - n_valid} excluded by the rules "
-          f"(filter: {args.filter or 'none'})")
+          f"(kernels: {what})")
     return 0
 
 

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from sparktune.backends.reference import dropout_keep, dropout_key
+from sparktune.dropout import dropout_keep, dropout_key
 
 
 def _masked_softmax(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +97,7 @@ def varlen_oracle(q, k, v, cu_q, cu_k, *, causal=False, scale=None, window=(-1, 
             q[q0:q1].double().transpose(0, 1)[None], k[k0:k1].double().transpose(0, 1)[None],
             v[k0:k1].double().transpose(0, 1)[None], causal=causal, scale=scale, window=window,
             softcap=softcap, slopes=slopes, dropout_p=dropout_p, key=dropout_key(seed, offset),
-            row=hi * tq + ii, col=torch.arange(k0, k1).view(1, 1, 1, -1),
+            row=hi * tq + ii, col=torch.arange(k1 - k0).view(1, 1, 1, -1),
         )
         outs.append(o[0].transpose(0, 1))
         lses.append(lse[0])

@@ -181,6 +181,7 @@ def test_load_records_reads_the_layers_of_a_device_and_build(path, tmp_path, mon
     missing = dispatch.load_records(DEVICE, BUILD, db=path)
     assert missing.missing and missing.error  # named explicitly: worth a warning
     assert missing.stored == [] and [r.uid for r in missing.shipped] == [mine.uid]
+    assert [r.uid for r in missing.shipped_earlier] == [old.uid]  # the other GPU model: nowhere
     _fill(path, [record(p, config="fast"), record(p, config="fast", build="another-build")])
     loaded = dispatch.load_records(DEVICE, BUILD, db=path)
     assert (loaded.error, loaded.missing, loaded.opened, loaded.notices) == ("", False, True, [])
@@ -189,6 +190,33 @@ def test_load_records_reads_the_layers_of_a_device_and_build(path, tmp_path, mon
     assert [r.config for r in loaded.ranked()[p]] == ["fast"]  # the database layer decides
     everything = dispatch.load_records(db=path, shipped=False)
     assert len(everything.stored) == 2 and everything.shipped == [] and everything.sources == [everything.where]
+
+
+def test_shipped_records_of_another_build_come_last(path, plugin, tmp_path, monkeypatch):
+    """Shipped records measured with another build of the kernel family (a space that declared
+    other configurations) serve the problems that nothing of this build reaches, for the
+    candidates this build still has; a record of this build wins even when slower."""
+    p, q, r = problem(), problem(seqlen_q=512, seqlen_k=512), problem(seqlen_q=1024, seqlen_k=1024)
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    lines = [
+        record(p, config="fast", median=1.0, build="earlier"),
+        record(q, config="fast", median=1.0, build="earlier"),
+        record(q, config="slow", median=5.0),
+        record(r, config="gone", median=0.5, build="earlier"),  # a kernel this build lacks
+        record(r, config="slow", median=2.0, build="earlier"),
+    ]
+    (shipped / "test-gpu.jsonl").write_text("".join(db.dumps_record(x) + "\n" for x in lines))
+    monkeypatch.setenv(dispatch.ENV_SHIPPED, str(shipped))
+    dispatch.reload()
+    a, b, c = (dispatch.select(x, DEVICE) for x in (p, q, r))
+    assert (a.candidate.config, a.source) == ("fast", "tuned")
+    assert a.record.source == "shipped:test-gpu.jsonl (kernel build earlier)"
+    assert (b.candidate.config, b.record.source) == ("slow", "shipped:test-gpu.jsonl")
+    assert (c.candidate.config, c.source) == ("slow", "tuned")
+    _fill(path, [record(p, config="slow", median=9.0)])
+    dispatch.reload()
+    assert dispatch.select(p, DEVICE).candidate.config == "slow"  # the user's database first
 
 
 def test_explain(path, plugin):

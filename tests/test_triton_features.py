@@ -385,6 +385,23 @@ def test_interp_dropout_mask_statistics(request):
     assert kernels.dropout_mask(shape, 0.0, seed=1, offset=0).all()
 
 
+def test_interp_dropout_mask_is_the_reference_definition(request):
+    """The kernels' keep mask is sparktune.dropout's, bit for bit: rows in the log-sum-exp's
+    layout, keys within the sequence, seeds and offsets past 32 bits, p where the threshold
+    needs all 32 bits."""
+    if _delegated(request):
+        return
+    from sparktune.dropout import dropout_keep, dropout_key
+
+    kernels = request.getfixturevalue("kernels")
+    shape = (2, 3, 21, 37)
+    rows = torch.arange(2 * 3 * 21).view(2, 3, 21, 1)
+    cols = torch.arange(37).view(1, 1, 1, -1)
+    for p, seed, offset in ((0.1, 2**40 + 7, 2**33 + 4), (0.75, 5, 0), (0.5, 2**63 - 1, 2**62)):
+        want = dropout_keep(dropout_key(seed, offset), rows, cols, p)
+        assert torch.equal(kernels.dropout_mask(shape, p, seed, offset), want), (p, seed, offset)
+
+
 def test_interp_deterministic_backward(request):
     if _delegated(request):
         return

@@ -51,6 +51,8 @@ SHAPES = (
     (2, 4, 4, 1000, 100, "bnhd"),   # seqlen_q > seqlen_k: causal rows with no key
     (1, 4, 4, 17, 4097, "bnhd"),
     (1, 8, 4, 300, 300, "bhnd_slice"),  # a slice of a packed qkv-like buffer
+    (6, 12, 4, 1000, 1000, "bnhd"),  # 576-864 tiles: several per block of a persistent kernel
+    (3, 12, 12, 777, 1500, "bhnd"),  # uneven causal tiles, several per block
 )
 FLOOR = 1e-5
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..dropout import dropout_keep, dropout_key
 from .base import Backend
 
 if TYPE_CHECKING:
@@ -115,46 +116,10 @@ def window_visible(
     return visible
 
 
-_M32 = 0xFFFFFFFF
-
-
-def _mix32(x: Any) -> Any:
-    """A 32-bit integer hash (xor-shift-multiply), for Python ints and int64 tensors alike
-    (every product is taken modulo 2**32, so uint32 arithmetic gives the same bits)."""
-    x = x & _M32
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
-
-
-def dropout_key(seed: int, offset: int) -> int:
-    """The 32-bit key of one call's dropout mask, from the ``(seed, offset)`` drawn from the
-    caller's generator."""
-    seed, offset = int(seed), int(offset)
-    return _mix32(
-        _mix32(_mix32(_mix32(seed & _M32) ^ ((seed >> 32) & _M32)) ^ (offset & _M32))
-        ^ ((offset >> 32) & _M32)
-    )
-
-
-def dropout_keep(key: int, row: torch.Tensor, col: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """The keep mask of attention dropout, the one definition every backend follows: element
-    (row, col) is kept iff ``u >= round(dropout_p * 2**32)``, where ``u`` is a counter-based
-    32-bit hash of (key, row, col) (``key`` from :func:`dropout_key`; ``row`` and ``col``
-    int64 tensors that broadcast: dense problems number the rows ``(b * Hq + h) * Nq + i``,
-    varlen ones ``h * total_q + t`` with ``t`` the packed query index, and the columns are
-    the key index, packed for varlen). Nothing is stored: the backward regenerates it."""
-    row = row.to(torch.int64)
-    u = _mix32(_mix32(_mix32(key ^ (row & _M32)) ^ (row >> 32)) ^ col.to(torch.int64))
-    return u >= round(float(dropout_p) * 2**32)
-
-
 class _Feat:
     """The features of one tile's computation (see :func:`_tile`)."""
 
-    __slots__ = ("window", "softcap", "slopes", "dropout_p", "key", "row_strides", "col_base")
+    __slots__ = ("window", "softcap", "slopes", "dropout_p", "key", "row_strides")
 
     def __init__(
         self,
@@ -164,7 +129,6 @@ class _Feat:
         dropout_p: float = 0.0,
         key: int = 0,
         row_strides: tuple[int, int, int] = (0, 0, 0),
-        col_base: int = 0,
     ) -> None:
         self.window = window
         self.softcap = softcap
@@ -174,7 +138,6 @@ class _Feat:
         self.key = key
         #: the dropout row number is b * s_b + h * s_h + base + i
         self.row_strides = row_strides
-        self.col_base = col_base
 
 
 def _tile(
@@ -261,7 +224,7 @@ def _keep(
     sb, sh, base = feat.row_strides
     i = torch.arange(rows.start, rows.start + shape[3], device=device).view(1, 1, 1, -1, 1)
     row = b * sb + h * sh + base + i
-    col = torch.arange(shape[4], device=device).view(1, 1, 1, 1, -1) + feat.col_base
+    col = torch.arange(shape[4], device=device).view(1, 1, 1, 1, -1)
     return dropout_keep(feat.key, row, col, feat.dropout_p)
 
 
@@ -353,7 +316,7 @@ def _as_batch(t: torch.Tensor) -> torch.Tensor:
 
 
 def _seq_feat(
-    features: dict[str, Any], b: int, hq: int, total_q: int, q0: int, k0: int
+    features: dict[str, Any], b: int, hq: int, total_q: int, q0: int
 ) -> tuple[dict[str, Any], _Feat]:
     """The dense features and tile features of packed sequence ``b``."""
     slopes = features.get("alibi_slopes")
@@ -367,7 +330,6 @@ def _seq_feat(
         dropout_p=dropout_p,
         key=dropout_key(features.get("seed", 0), features.get("offset", 0)) if dropout_p else 0,
         row_strides=(0, total_q, q0),
-        col_base=k0,
     )
     return features, feat
 
@@ -423,7 +385,7 @@ def _varlen_forward(
     for b, (q0, q1, k0, k1) in enumerate(seqs):
         if q1 == q0 or k1 == k0:  # no query, or no key: out 0, lse -inf
             continue
-        _, feat = _seq_feat(features, b, hq, total_q, q0, k0)
+        _, feat = _seq_feat(features, b, hq, total_q, q0)
         _attend(
             _as_batch(q[q0:q1]),
             _as_batch(k[k0:k1]),
@@ -518,7 +480,7 @@ def reference_attention_backward(
         for b, (q0, q1, k0, k1) in enumerate(seqs):
             if q1 == q0 or k1 == k0:
                 continue
-            _, feat = _seq_feat(features, b, hq, total_q, q0, k0)
+            _, feat = _seq_feat(features, b, hq, total_q, q0)
             _backward_into(
                 _as_batch(dout[q0:q1]),
                 _as_batch(q[q0:q1]),

@@ -107,6 +107,17 @@ class SparkBackend(Backend):
         (90, 128): (64, 128, 8, 1),
     }
 
+    # Hopper forward defaults per head dim: the name's tile and schedule suffix of the sm90
+    # family, the intra-warpgroup overlap kernels with two stages. Head dim 128: 128 x 128
+    # tiles, the fastest or within 2% of it at every seqlen >= 4k of the 16k-token sweep on an
+    # H200; head dim 64: three consumer warpgroups (192 query rows), the fastest sm90 kernel at
+    # every seqlen >= 2k of that sweep (tools/gpu_check_sm90.py, BENCHMARKS.md). The tuner
+    # replaces them per shape.
+    _DEFAULTS90 = {
+        ("fwd", 64): "m192n128_s2_ov1_pp0",
+        ("fwd", 128): "m128n128_s2_ov1_pp0",
+    }
+
     def __init__(self) -> None:
         self._kernels: dict[str, dict[str, Any]] | None = None
 
@@ -218,6 +229,13 @@ class SparkBackend(Backend):
         if not cands:
             return None
         cat = self._catalogue()
+        if device is not None and device.arch == 90:
+            tail = self._DEFAULTS90.get((problem.op, problem.head_dim))
+            hopper = [c.config for c in cands if cat[c.config]["family"] == 90]
+            if tail is not None:
+                exact = [n for n in hopper if n.endswith("_" + tail)]
+                if exact:
+                    return min(exact)
         family = 70 if device is not None and device.arch < 80 else 80
         if (
             problem.op == "bwd"

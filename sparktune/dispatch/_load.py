@@ -2,7 +2,9 @@
 
 Layers, most specific first: the user's (or shared) database -- or, when a shared server does
 not answer, dispatch's local snapshot of it (:mod:`._snapshot`) -- then the read-only files
-shipped in ``tuning_db/`` (one JSON Lines file per GPU model). :func:`load_records` reads them
+shipped in ``tuning_db/`` (one JSON Lines file per GPU model): their records of this build of
+the kernel family, then those of other builds (measured before configurations were added to
+or removed from the declared space; used for the candidates this build still has). :func:`load_records` reads them
 all once; dispatch, ``sparktune bench`` and ``sparktune db`` call it, each with its own
 timeouts and its own way of reporting what could not be read.
 
@@ -69,6 +71,10 @@ class LoadedRecords:
     stored: list[Record] = field(default_factory=list)
     #: the shipped layer: the shipped records of this device model and build
     shipped: list[Record] = field(default_factory=list)
+    #: the shipped records of this device model measured with another build of the kernel
+    #: family (a space that declared other configurations): the last layer, for problems that
+    #: no record of this build reaches; a record whose kernel this build lacks is passed over
+    shipped_earlier: list[Record] = field(default_factory=list)
     #: why the database could not be read ("" when it was); a database that does not exist
     #: is an error only when it was named (``db=`` or ``$SPARKTUNE_DB``)
     error: str = ""
@@ -101,7 +107,7 @@ class LoadedRecords:
     def ranked(self) -> dict[Problem, list[Record]]:
         """The usable records per problem, fastest first: a problem takes the first layer that
         has it (see :func:`~sparktune.dispatch.layered`)."""
-        return layered([self.stored, self.shipped], self.device)
+        return layered([self.stored, self.shipped, self.shipped_earlier], self.device)
 
     def _notice(self, key: str, message: str, level: int = logging.WARNING) -> None:
         self.notices.append(Notice(key, message, level))
@@ -233,10 +239,13 @@ def _read_shipped(out: LoadedRecords) -> None:
             f"sparktune: {len(bad)} invalid line(s) in the shipped tuning files were ignored, first: {bad[0]}",
         )
     d, b = out.device, out.build
-    out.shipped = [
+    model = [
         r
         for r in records
-        if (b is None or r.build_id == b)
-        and (d is None or (r.device.name, r.device.capability, r.device.sm_count) == (d.name, d.capability, d.sm_count))
+        if d is None or (r.device.name, r.device.capability, r.device.sm_count) == (d.name, d.capability, d.sm_count)
     ]
+    out.shipped = [r for r in model if b is None or r.build_id == b]
+    out.shipped_earlier = [r for r in model if b is not None and r.build_id != b]
     out.shipped_files = len({r.source for r in records})
+    for r in out.shipped_earlier:
+        r.source = f"{r.source} (kernel build {r.build_id})"

@@ -71,7 +71,8 @@ class Fwd90Entry:
 
     ``overlap`` (``_ov1``): softmax of key block j under the P V product of block j - 1 inside
     each consumer warpgroup; ``pingpong`` (``_pp1``, needs ``overlap``): the two consumer
-    warpgroups take turns issuing their GEMMs. Both off: no suffix, the original kernel."""
+    warpgroups take turns issuing their GEMMs. Both off: no suffix, the original kernel.
+    ``persistent`` (``_ps1``): one block per SM walks the tiles (see sm90_fwd_config.h)."""
 
     rules_header = "sparktune/sm90_fwd_config.h"
     launch_header = "sparktune/sm90_fwd_launch.h"
@@ -85,10 +86,13 @@ class Fwd90Entry:
     stages: int
     overlap: bool = False
     pingpong: bool = False
+    persistent: bool = False
 
     @property
     def name(self) -> str:
         sched = f"_ov{int(self.overlap)}_pp{int(self.pingpong)}" if self.overlap or self.pingpong else ""
+        if self.persistent:
+            sched += "_ps1"
         return (
             f"fwd_sm90_{self.dtype}_d{self.head_dim}_m{self.block_m}n{self.block_n}"
             f"_s{self.stages}{sched}"
@@ -97,8 +101,10 @@ class Fwd90Entry:
     @property
     def config_type(self) -> str:
         sched = ""
-        if self.overlap or self.pingpong:
+        if self.overlap or self.pingpong or self.persistent:
             sched = f", {str(self.overlap).lower()}, {str(self.pingpong).lower()}"
+        if self.persistent:
+            sched += ", true"
         return (
             f"Sm90FwdConfig<{DTYPES[self.dtype][1]}, {self.head_dim}, {self.block_m}, "
             f"{self.block_n}, {self.stages}{sched}>"
@@ -204,6 +210,17 @@ def forward_space() -> list[FwdEntry | Fwd90Entry]:
     sched90 = [(64, 128, 128, 2), (64, 128, 128, 3), (128, 128, 128, 2), (128, 128, 64, 3)]
     entries += [Fwd90Entry(dt, hd, bm, bn, st, True, pp) for dt in ("f16", "bf16")
                 for hd, bm, bn, st in sched90 for pp in (False, True)]
+    # head dim 64 with three consumer warpgroups (192 query rows a block): the overlap order
+    # only (ping-pong alternates between two warpgroups)
+    entries += [Fwd90Entry(dt, 64, 192, 128, 2, True, False) for dt in ("f16", "bf16")]
+    # persistent blocks (``_ps1``): the plain and the overlapped orders of the fastest tiles
+    # (not m192n128 at head dim 64: under three consumer warpgroups its tile loop spilled 36 B
+    # in ptxas -v for sm_90a)
+    pers90 = [(64, 128, 128, 2, False, False), (64, 128, 128, 2, True, False),
+              (128, 128, 128, 2, False, False), (128, 128, 128, 2, True, False),
+              (128, 128, 128, 2, True, True)]
+    entries += [Fwd90Entry(dt, hd, bm, bn, st, ov, pp, True) for dt in ("f16", "bf16")
+                for hd, bm, bn, st, ov, pp in pers90]
     names = [e.name for e in entries]
     assert len(names) == len(set(names)), "duplicate configuration names"
     return entries
@@ -263,3 +280,120 @@ def select(entries: list, patterns: str | None) -> list:
     if not pats:
         return list(entries)
     return [e for e in entries if any(fnmatch.fnmatchcase(e.name, p) for p in pats)]
+
+
+# ---- the defaults, and the kernels of a default build -------------------------------------------
+
+#: Forward defaults of the mma.sync families per (family, head_dim): (block_m, block_n,
+#: warps_m, warps_n), with fp32 accumulation and P in registers where the family has it. The
+#: m16n8k16 entries for hd 64 and 128 are the configs that won most shapes of the 16k-token
+#: sweep on an H200 (bench/spark_fwd.py --configs all); the others follow the same register
+#: budget. The Volta entries are a model, not a measurement: the occupancy ranking of the sm_70
+#: compile report (docs/VOLTA.md) among the kernels that pass tools/check_sm70.py. The tuner
+#: replaces all of them per shape.
+FWD_DEFAULTS = {
+    (80, 32): (128, 128, 4, 1),
+    (80, 64): (128, 64, 4, 1),
+    (80, 96): (128, 64, 4, 1),
+    (80, 128): (128, 64, 4, 1),
+    (80, 256): (64, 64, 4, 1),
+    (70, 32): (128, 32, 2, 2),
+    (70, 64): (64, 32, 2, 2),
+    (70, 96): (64, 32, 2, 2),
+    (70, 128): (64, 32, 2, 2),
+}
+
+#: Backward defaults per (family, head_dim): (block_m, block_n, warps_m, warps_n) of the bwd
+#: family, fp32 accumulation. Family 80, head dims 64 and 128: the fastest of the compiled
+#: configurations at every shape of the 16k-token sweep on an H200 (bench/spark_bwd.py
+#: --all-bwd); head dim 32 by register budget (dK and dV stay in registers for a whole key
+#: block). The Volta entries are a model, not a measurement: the eight-warp configurations of
+#: the Volta backward space that fit its register rule and pass tools/check_sm70.py
+#: (docs/VOLTA.md). The tuner replaces them per shape.
+BWD_DEFAULTS = {
+    (80, 32): (64, 128, 4, 2),
+    (80, 64): (128, 128, 2, 4),
+    (80, 128): (64, 128, 2, 4),
+    (70, 32): (64, 64, 2, 4),
+    (70, 64): (64, 64, 2, 4),
+    (70, 128): (64, 32, 2, 4),
+}
+
+#: Hopper defaults per (op, head_dim): the name's tail after the head dim. Forward: the
+#: intra-warpgroup overlap kernels with two stages; head dim 128 with 128 x 128 tiles, the
+#: fastest or within 2% of it at every seqlen >= 4k of the 16k-token sweep on an H200; head
+#: dim 64 with three consumer warpgroups (192 query rows), the fastest sm90 kernel at every
+#: seqlen >= 2k of that sweep (tools/gpu_check_sm90.py, BENCHMARKS.md). The tuner replaces them
+#: per shape.
+SM90_DEFAULTS = {
+    ("fwd", 64): "m192n128_s2_ov1_pp0",
+    ("fwd", 128): "m128n128_s2_ov1_pp0",
+}
+
+
+def is_default(e) -> bool:
+    """Whether ``e`` is the default configuration of its (family, op, dtype, head_dim)."""
+    if isinstance(e, Fwd90Entry):
+        tail = SM90_DEFAULTS.get(("fwd", e.head_dim))
+        return tail is not None and e.name.endswith(f"_d{e.head_dim}_{tail}")
+    table = BWD_DEFAULTS if isinstance(e, BwdEntry) else FWD_DEFAULTS
+    want = table.get((getattr(e, "family", 0), e.head_dim))
+    if want is None or (e.block_m, e.block_n, e.warps_m, e.warps_n) != want or e.accum != 32:
+        return False
+    # the register softmax where the family has it (sm80), else the shared one (sm70)
+    return isinstance(e, BwdEntry) or e.softmax == ("preg" if e.family >= 80 else "psmem")
+
+
+def shipped_winners(directory) -> set[str]:
+    """The spark kernels that dispatch can choose from the shipped records in ``directory``
+    (``tuning_db/*.jsonl``): for each problem, GPU model and build, the fastest verified spark
+    record's config (dispatch runs it when it is also the fastest candidate, and a slower spark
+    record never beats it)."""
+    import json
+    from pathlib import Path
+
+    best: dict[tuple, tuple[float, str]] = {}
+    for path in sorted(Path(directory).glob("*.jsonl")) if directory else []:
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+                if r.get("backend") != "spark" or r.get("status") != "ok":
+                    continue
+                median = float(r["time_ms"]["median"])
+                err, limit = r.get("error"), r.get("error_limit")
+                if err is not None and limit is not None and err > limit:
+                    continue
+                dev = r["device"]
+                key = (json.dumps(r["problem"], sort_keys=True), dev["name"], tuple(dev["capability"]),
+                       r.get("build_id"))
+                config = str(r["config"])
+            except (ValueError, KeyError, TypeError):
+                continue  # the store's own import reports bad lines; here they build nothing
+            if key not in best or (median, config) < best[key]:
+                best[key] = (median, config)
+    return {config for _, config in best.values()}
+
+
+def default_build(entries: list, shipped_dir=None) -> list:
+    """The entries of a default build (``SPARKTUNE_KERNELS`` unset): what dispatch can choose
+    without a tuning run of the user's own, i.e. the default of every (family, op, dtype,
+    head dim) and the shipped winners."""
+    winners = shipped_winners(shipped_dir)
+    return [e for e in entries if is_default(e) or e.name in winners]
+
+
+def build_selection(entries: list, spec: str | None, shipped_dir=None) -> list:
+    """The entries a build compiles for ``SPARKTUNE_KERNELS=spec``: comma-separated shell
+    patterns of names, and the words ``default`` (:func:`default_build`) and ``all`` (every
+    entry); empty means ``default``. In the space's order, each entry once."""
+    items = [p.strip() for p in (spec or "").split(",") if p.strip()] or ["default"]
+    keep: set[str] = set()
+    if "all" in items:
+        keep.update(e.name for e in entries)
+    if "default" in items:
+        keep.update(e.name for e in default_build(entries, shipped_dir))
+    pats = [p for p in items if p not in ("all", "default")]
+    if pats:
+        keep.update(e.name for e in select(entries, ",".join(pats)))
+    return [e for e in entries if e.name in keep]
+

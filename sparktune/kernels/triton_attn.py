@@ -22,9 +22,9 @@ code they had before the features existed:
 - SOFTCAP: ``cap * tanh(s / cap)`` on the scaled scores; the backward multiplies dS by
   ``1 - tanh^2``.
 - ALIBI: ``- slope[b, h] * |d(i) - j|`` after the softcap.
-- DROPOUT: the keep mask is one Philox draw per (row, key) from the counter (key, row of the
-  log-sum-exp layout, offset words) and the seed words, so the backward regenerates it;
-  :func:`dropout_mask` returns it. The log-sum-exp is that of the undropped probabilities.
+- DROPOUT: the keep mask of :mod:`sparktune.dropout` (the reference's own), a 32-bit hash
+  per (row of the log-sum-exp layout, key) from the call's (seed, offset), so the backward
+  regenerates it; :func:`dropout_mask` returns it. The log-sum-exp is that of the undropped probabilities.
 - VARLEN: packed (total, heads, head_dim) tensors, sequence ``b`` rows ``cu[b]:cu[b + 1]``;
   the grid covers the longest sequence and programs past a sequence's end return at once.
   The log-sum-exp is (heads_q, total_q).
@@ -50,9 +50,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.random import philox_impl, uint_to_uniform_float
 from triton.runtime.jit import MockTensor
 
+from ..dropout import dropout_key, dropout_threshold
 from ..dtypes import DTYPE_NAMES
 from .triton_space import BwdConfig, Config, FwdConfig, padded_head_dim, parse_config
 
@@ -151,7 +151,7 @@ _HW_TANH = tl.constexpr(not INTERPRET)
 # divisibility decides vectorised loads. The feature arguments (window sides, dropout seed and
 # offset words, the packed row count of varlen) vary per call too.
 _RUNTIME_INTS = ["seqlen_q", "seqlen_k", "group"]
-_FEATURE_INTS = ["win_left", "win_right", "seed_lo", "seed_hi", "off_lo", "off_hi", "total_q",
+_FEATURE_INTS = ["win_left", "win_right", "drop_key", "drop_thr", "total_q",
                  "stride_ab"]
 
 
@@ -277,25 +277,34 @@ def _modified_scores(qk, qi, kj, diag, qk_scale, cap_in, cap_out, slope2, SOFTCA
 
 
 @triton.jit
-def _dropout_keep(row_ids, kj, drop_p, seed_lo, seed_hi, off_lo, off_hi):
-    """The dropout keep mask of (row, key) pairs: one Philox draw per pair from the counter
-    (key index, row index in the log-sum-exp layout, offset low word, offset high word) and the
-    key (seed low word, seed high word); kept where the uniform draw is >= drop_p."""
-    c0 = (kj + row_ids * 0).to(tl.uint32)
-    c1 = (row_ids + kj * 0).to(tl.uint32)
-    c2 = c0 * 0 + off_lo.to(tl.uint32)
-    c3 = c0 * 0 + off_hi.to(tl.uint32)
-    r, _, _, _ = philox_impl(c0, c1, c2, c3, seed_lo.to(tl.uint32), seed_hi.to(tl.uint32))
-    return uint_to_uniform_float(r) >= drop_p
+def _mix32(x):
+    """sparktune.dropout.mix32 on uint32 (products wrap modulo 2**32)."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "off_lo", "off_hi", "nrows", "ncols"])
-def _dropout_mask_kernel(Keep, nrows, ncols, drop_p, seed_lo, seed_hi, off_lo, off_hi,
+@triton.jit
+def _dropout_keep(row_ids, kj, drop_key, drop_thr):
+    """The keep mask of sparktune.dropout for (row, key) pairs: ``row_ids`` (int64) in the
+    log-sum-exp's layout, ``kj`` the key index within the sequence; ``drop_key`` and
+    ``drop_thr`` are the call's key and threshold as int32 bit patterns."""
+    rows = row_ids + kj * 0
+    cols = (kj + row_ids * 0).to(tl.uint32)
+    lo = (rows & 0xFFFFFFFF).to(tl.uint32)
+    hi = (rows >> 32).to(tl.uint32)
+    u = _mix32(_mix32(_mix32(drop_key.to(tl.uint32) ^ lo) ^ hi) ^ cols)
+    return u >= drop_thr.to(tl.uint32)
+
+
+@triton.jit(do_not_specialize=["drop_key", "drop_thr", "nrows", "ncols"])
+def _dropout_mask_kernel(Keep, nrows, ncols, drop_key, drop_thr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    keep = _dropout_keep(rows[:, None].to(tl.int64), cols[None, :], drop_p, seed_lo, seed_hi,
-                         off_lo, off_hi)
+    keep = _dropout_keep(rows[:, None].to(tl.int64), cols[None, :], drop_key, drop_thr)
     ptrs = Keep + rows[:, None].to(tl.int64) * ncols + cols[None, :]
     tl.store(ptrs, keep.to(tl.int8), mask=(rows[:, None] < nrows) & (cols[None, :] < ncols))
 
@@ -307,8 +316,8 @@ def _dropout_mask_kernel(Keep, nrows, ncols, drop_p, seed_lo, seed_hi, off_lo, o
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, lo, hi, rows, seqlen_q,
-               seqlen_k, qk_scale, win_left, win_right, cap_in, cap_out, slope2, drop_p, row_base,
-               seed_lo, seed_hi, off_lo, off_hi, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+               seqlen_k, qk_scale, win_left, win_right, cap_in, cap_out, slope2, row_base,
+               drop_key, drop_thr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_N: tl.constexpr):
@@ -349,8 +358,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, lo, hi, r
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
             # the softmax sum counts every probability; only the output sees the dropped ones
-            p = tl.where(_dropout_keep(row_base + rows[:, None], cols[None, :], drop_p, seed_lo,
-                                       seed_hi, off_lo, off_hi), p, 0.0)
+            p = tl.where(_dropout_keep(row_base + rows[:, None], cols[None, :], drop_key,
+                                       drop_thr), p, 0.0)
         v = _load_tile(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, seqlen_k,
                        offs_d, MASKED, HEAD_DIM, BLOCK_D)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
@@ -366,8 +375,7 @@ def _fwd_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on,
     seqlen_q, seqlen_k, group, qk_scale,
-    win_left, win_right, cap_in, cap_out, stride_ab, drop_p, drop_scale, seed_lo, seed_hi,
-    off_lo, off_hi, total_q,
+    win_left, win_right, cap_in, cap_out, stride_ab, drop_scale, drop_key, drop_thr, total_q,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
@@ -423,30 +431,30 @@ def _fwd_kernel(
                                                 win_right, seqlen_k, BLOCK_M, BLOCK_N)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, lo,
                                    full_lo, rows, seqlen_q, seqlen_k, qk_scale, win_left,
-                                   win_right, cap_in, cap_out, slope2, drop_p, row_base, seed_lo,
-                                   seed_hi, off_lo, off_hi, True, False, True, SOFTCAP, ALIBI,
+                                   win_right, cap_in, cap_out, slope2, row_base, drop_key,
+                                   drop_thr, True, False, True, SOFTCAP, ALIBI,
                                    DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_N)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                                    full_lo, full_hi, rows, seqlen_q, seqlen_k, qk_scale, win_left,
-                                   win_right, cap_in, cap_out, slope2, drop_p, row_base, seed_lo,
-                                   seed_hi, off_lo, off_hi, False, False, True, SOFTCAP, ALIBI,
+                                   win_right, cap_in, cap_out, slope2, row_base, drop_key,
+                                   drop_thr, False, False, True, SOFTCAP, ALIBI,
                                    DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_N)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                                    full_hi, hi, rows, seqlen_q, seqlen_k, qk_scale, win_left,
-                                   win_right, cap_in, cap_out, slope2, drop_p, row_base, seed_lo,
-                                   seed_hi, off_lo, off_hi, True, False, True, SOFTCAP, ALIBI,
+                                   win_right, cap_in, cap_out, slope2, row_base, drop_key,
+                                   drop_thr, True, False, True, SOFTCAP, ALIBI,
                                    DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_N)
     else:
         full_end, end = _key_ranges(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, 0,
                                    full_end, rows, seqlen_q, seqlen_k, qk_scale, win_left,
-                                   win_right, cap_in, cap_out, slope2, drop_p, row_base, seed_lo,
-                                   seed_hi, off_lo, off_hi, False, CAUSAL, False, SOFTCAP, ALIBI,
+                                   win_right, cap_in, cap_out, slope2, row_base, drop_key,
+                                   drop_thr, False, CAUSAL, False, SOFTCAP, ALIBI,
                                    DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_N)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                                    full_end, end, rows, seqlen_q, seqlen_k, qk_scale, win_left,
-                                   win_right, cap_in, cap_out, slope2, drop_p, row_base, seed_lo,
-                                   seed_hi, off_lo, off_hi, True, CAUSAL, False, SOFTCAP, ALIBI,
+                                   win_right, cap_in, cap_out, slope2, row_base, drop_key,
+                                   drop_thr, True, CAUSAL, False, SOFTCAP, ALIBI,
                                    DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_N)
 
     empty = l_i == 0.0
@@ -490,8 +498,8 @@ def _bwd_preprocess(
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, cols, q_base, do_base, dq_base, lse_base, delta_base,
                     stride_qn, stride_don, stride_dqn, lo, hi, seqlen_q, seqlen_k, qk_scale, scale,
-                    win_left, win_right, cap_in, cap_out, slope2, drop_p, drop_scale, row_base,
-                    seed_lo, seed_hi, off_lo, off_hi,
+                    win_left, win_right, cap_in, cap_out, slope2, drop_scale, row_base,
+                    drop_key, drop_thr,
                     MASK_ROWS: tl.constexpr, MASK_CAUSAL: tl.constexpr, DQ_ATOMIC: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     MASK_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
@@ -533,8 +541,8 @@ def _bwd_dkdv_inner(dk, dv, k, v, cols, q_base, do_base, dq_base, lse_base, delt
                 keep = keep & (cols[:, None] >= rows[None, :] + diag - win_left)
             pT = tl.where(keep, pT, 0.0)
         if DROPOUT:
-            kept = _dropout_keep(row_base + rows[None, :], cols[:, None], drop_p, seed_lo,
-                                 seed_hi, off_lo, off_hi)
+            kept = _dropout_keep(row_base + rows[None, :], cols[:, None], drop_key,
+                                 drop_thr)
             # dV sees the kept probabilities (rescaled once at the end), dP the kept gradients
             dv = tl.dot(tl.where(kept, pT, 0.0).to(do.dtype), do, dv)
         else:
@@ -570,8 +578,7 @@ def _bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqn,
     seqlen_q, seqlen_k, group, qk_scale, scale,
-    win_left, win_right, cap_in, cap_out, stride_ab, drop_p, drop_scale, seed_lo, seed_hi,
-    off_lo, off_hi, total_q,
+    win_left, win_right, cap_in, cap_out, stride_ab, drop_scale, drop_key, drop_thr, total_q,
     CAUSAL: tl.constexpr, DQ_ATOMIC: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
@@ -651,22 +658,22 @@ def _bwd_dkdv_kernel(
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, cols, q_base, do_base, dq_base, lse_base,
                                      delta_base, stride_qn, stride_don, stride_dqn, w_lo,
                                      w_full_lo, seqlen_q, seqlen_k, qk_scale, scale, win_left,
-                                     win_right, cap_in, cap_out, slope2, drop_p, drop_scale,
-                                     row_base, seed_lo, seed_hi, off_lo, off_hi, True, False,
+                                     win_right, cap_in, cap_out, slope2, drop_scale,
+                                     row_base, drop_key, drop_thr, True, False,
                                      DQ_ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, True, SOFTCAP, ALIBI,
                                      DROPOUT)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, cols, q_base, do_base, dq_base, lse_base,
                                      delta_base, stride_qn, stride_don, stride_dqn, w_full_lo,
                                      w_full_hi, seqlen_q, seqlen_k, qk_scale, scale, win_left,
-                                     win_right, cap_in, cap_out, slope2, drop_p, drop_scale,
-                                     row_base, seed_lo, seed_hi, off_lo, off_hi, False, False,
+                                     win_right, cap_in, cap_out, slope2, drop_scale,
+                                     row_base, drop_key, drop_thr, False, False,
                                      DQ_ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, False, SOFTCAP, ALIBI,
                                      DROPOUT)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, cols, q_base, do_base, dq_base, lse_base,
                                      delta_base, stride_qn, stride_don, stride_dqn, w_full_hi,
                                      w_hi, seqlen_q, seqlen_k, qk_scale, scale, win_left,
-                                     win_right, cap_in, cap_out, slope2, drop_p, drop_scale,
-                                     row_base, seed_lo, seed_hi, off_lo, off_hi, True, False,
+                                     win_right, cap_in, cap_out, slope2, drop_scale,
+                                     row_base, drop_key, drop_thr, True, False,
                                      DQ_ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, True, SOFTCAP, ALIBI,
                                      DROPOUT)
         else:
@@ -675,21 +682,20 @@ def _bwd_dkdv_kernel(
                                          delta_base, stride_qn, stride_don, stride_dqn, lo,
                                          tl.minimum(mid, seqlen_q), seqlen_q, seqlen_k, qk_scale,
                                          scale, win_left, win_right, cap_in, cap_out, slope2,
-                                         drop_p, drop_scale, row_base, seed_lo, seed_hi, off_lo,
-                                         off_hi, True, True, DQ_ATOMIC, HEAD_DIM, BLOCK_D,
+                                         drop_scale, row_base, drop_key, drop_thr, True, True, DQ_ATOMIC, HEAD_DIM, BLOCK_D,
                                          BLOCK_M, False, SOFTCAP, ALIBI, DROPOUT)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, cols, q_base, do_base, dq_base, lse_base,
                                      delta_base, stride_qn, stride_don, stride_dqn, mid,
                                      rows_full_end, seqlen_q, seqlen_k, qk_scale, scale, win_left,
-                                     win_right, cap_in, cap_out, slope2, drop_p, drop_scale,
-                                     row_base, seed_lo, seed_hi, off_lo, off_hi, False, False,
+                                     win_right, cap_in, cap_out, slope2, drop_scale,
+                                     row_base, drop_key, drop_thr, False, False,
                                      DQ_ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, False, SOFTCAP, ALIBI,
                                      DROPOUT)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, cols, q_base, do_base, dq_base, lse_base,
                                      delta_base, stride_qn, stride_don, stride_dqn, tail,
                                      seqlen_q, seqlen_q, seqlen_k, qk_scale, scale, win_left,
-                                     win_right, cap_in, cap_out, slope2, drop_p, drop_scale,
-                                     row_base, seed_lo, seed_hi, off_lo, off_hi, True, False,
+                                     win_right, cap_in, cap_out, slope2, drop_scale,
+                                     row_base, drop_key, drop_thr, True, False,
                                      DQ_ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, False, SOFTCAP, ALIBI,
                                      DROPOUT)
 
@@ -705,7 +711,7 @@ def _bwd_dkdv_kernel(
 @triton.jit
 def _bwd_dq_inner(dq, q, do, lse2, delta, rows, k_base, v_base, stride_kn, stride_vn, lo, hi,
                   seqlen_q, seqlen_k, qk_scale, win_left, win_right, cap_in, cap_out, slope2,
-                  drop_p, drop_scale, row_base, seed_lo, seed_hi, off_lo, off_hi,
+                  drop_scale, row_base, drop_key, drop_thr,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = False,
                   SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
@@ -733,8 +739,8 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, rows, k_base, v_base, stride_kn, strid
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         if DROPOUT:
-            kept = _dropout_keep(row_base + rows[:, None], cols[None, :], drop_p, seed_lo,
-                                 seed_hi, off_lo, off_hi)
+            kept = _dropout_keep(row_base + rows[:, None], cols[None, :], drop_key,
+                                 drop_thr)
             dp = tl.where(kept, dp * drop_scale, 0.0)
         if SOFTCAP:
             ds = (p * (dp - delta[:, None]) * (1.0 - t * t)).to(k.dtype)
@@ -753,8 +759,7 @@ def _bwd_dq_kernel(
     stride_dob, stride_doh, stride_don,
     stride_dqb, stride_dqh, stride_dqn,
     seqlen_q, seqlen_k, group, qk_scale, scale,
-    win_left, win_right, cap_in, cap_out, stride_ab, drop_p, drop_scale, seed_lo, seed_hi,
-    off_lo, off_hi, total_q,
+    win_left, win_right, cap_in, cap_out, stride_ab, drop_scale, drop_key, drop_thr, total_q,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
@@ -810,30 +815,30 @@ def _bwd_dq_kernel(
                                                 win_right, seqlen_k, BLOCK_M, BLOCK_N)
         dq = _bwd_dq_inner(dq, q, do, lse2, delta, rows, k_base, v_base, stride_kn, stride_vn,
                            lo, full_lo, seqlen_q, seqlen_k, qk_scale, win_left, win_right,
-                           cap_in, cap_out, slope2, drop_p, drop_scale, row_base, seed_lo,
-                           seed_hi, off_lo, off_hi, True, False, HEAD_DIM, BLOCK_D, BLOCK_N,
+                           cap_in, cap_out, slope2, drop_scale, row_base, drop_key,
+                           drop_thr, True, False, HEAD_DIM, BLOCK_D, BLOCK_N,
                            True, SOFTCAP, ALIBI, DROPOUT)
         dq = _bwd_dq_inner(dq, q, do, lse2, delta, rows, k_base, v_base, stride_kn, stride_vn,
                            full_lo, full_hi, seqlen_q, seqlen_k, qk_scale, win_left, win_right,
-                           cap_in, cap_out, slope2, drop_p, drop_scale, row_base, seed_lo,
-                           seed_hi, off_lo, off_hi, False, False, HEAD_DIM, BLOCK_D, BLOCK_N,
+                           cap_in, cap_out, slope2, drop_scale, row_base, drop_key,
+                           drop_thr, False, False, HEAD_DIM, BLOCK_D, BLOCK_N,
                            True, SOFTCAP, ALIBI, DROPOUT)
         dq = _bwd_dq_inner(dq, q, do, lse2, delta, rows, k_base, v_base, stride_kn, stride_vn,
                            full_hi, hi, seqlen_q, seqlen_k, qk_scale, win_left, win_right,
-                           cap_in, cap_out, slope2, drop_p, drop_scale, row_base, seed_lo,
-                           seed_hi, off_lo, off_hi, True, False, HEAD_DIM, BLOCK_D, BLOCK_N,
+                           cap_in, cap_out, slope2, drop_scale, row_base, drop_key,
+                           drop_thr, True, False, HEAD_DIM, BLOCK_D, BLOCK_N,
                            True, SOFTCAP, ALIBI, DROPOUT)
     else:
         full_end, end = _key_ranges(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
         dq = _bwd_dq_inner(dq, q, do, lse2, delta, rows, k_base, v_base, stride_kn, stride_vn,
                            0, full_end, seqlen_q, seqlen_k, qk_scale, win_left, win_right,
-                           cap_in, cap_out, slope2, drop_p, drop_scale, row_base, seed_lo,
-                           seed_hi, off_lo, off_hi, False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N,
+                           cap_in, cap_out, slope2, drop_scale, row_base, drop_key,
+                           drop_thr, False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N,
                            False, SOFTCAP, ALIBI, DROPOUT)
         dq = _bwd_dq_inner(dq, q, do, lse2, delta, rows, k_base, v_base, stride_kn, stride_vn,
                            full_end, end, seqlen_q, seqlen_k, qk_scale, win_left, win_right,
-                           cap_in, cap_out, slope2, drop_p, drop_scale, row_base, seed_lo,
-                           seed_hi, off_lo, off_hi, True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N,
+                           cap_in, cap_out, slope2, drop_scale, row_base, drop_key,
+                           drop_thr, True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N,
                            False, SOFTCAP, ALIBI, DROPOUT)
     dq = dq * scale
     _store_tile(DQ + dq_off + h * stride_dqh + rows[:, None] * stride_dqn + offs_d[None, :],
@@ -891,16 +896,11 @@ def _dtype_name(t) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
-def _int32_words(value: int) -> tuple[int, int]:
-    """A 64-bit unsigned value as two int32 kernel arguments (low, high), each the bit pattern
-    of one 32-bit word (so the arguments keep one type, and one compiled kernel, for any
-    value)."""
-    value &= (1 << 64) - 1
-
-    def signed(word: int) -> int:
-        return word - (1 << 32) if word >= 1 << 31 else word
-
-    return signed(value & 0xFFFFFFFF), signed(value >> 32)
+def _int32_word(value: int) -> int:
+    """An unsigned 32-bit value as an int32 kernel argument: its bit pattern (so the argument
+    keeps one type, and one compiled kernel, for any value)."""
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
 
 
 @dataclass(frozen=True)
@@ -940,8 +940,8 @@ class _Features:
                     DROPOUT=self.dropout_p > 0, VARLEN=self.varlen)
 
     def runtime_args(self, scale: float, total_q: int) -> tuple:
-        """(win_left, win_right, cap_in, cap_out, stride_ab, drop_p, drop_scale, seed_lo,
-        seed_hi, off_lo, off_hi, total_q), in the kernels' order."""
+        """(win_left, win_right, cap_in, cap_out, stride_ab, drop_scale, drop_key,
+        drop_thr, total_q), in the kernels' order."""
         cap = self.softcap
         cap_in, cap_out = (scale / cap, cap * LOG2E) if cap > 0 else (0.0, 0.0)
         stride_ab = 0
@@ -949,8 +949,8 @@ class _Features:
             stride_ab = self.alibi.stride(0)
         p = self.dropout_p
         drop_scale = 1.0 / (1.0 - p) if p > 0 else 1.0
-        return (self.win_left, self.win_right, cap_in, cap_out, stride_ab, float(p), drop_scale,
-                *_int32_words(self.seed), *_int32_words(self.offset), total_q)
+        words = (_int32_word(dropout_key(self.seed, self.offset)), _int32_word(dropout_threshold(p))) if p > 0 else (0, 0)
+        return (self.win_left, self.win_right, cap_in, cap_out, stride_ab, drop_scale, *words, total_q)
 
 
 def _normalise_window(causal: bool, window, seqlen_q: int, seqlen_k: int) -> tuple[bool, bool, int, int]:
@@ -1369,8 +1369,8 @@ def dropout_mask(shape, dropout_p: float, seed: int, offset: int, *, device=None
     if keep.numel():
         block_m, block_n = (16, 16) if INTERPRET else (64, 64)
         grid = (triton.cdiv(nrows, block_m), triton.cdiv(ncols, block_n))
-        _dropout_mask_kernel[grid](keep, nrows, ncols, p, *_int32_words(int(seed)),
-                                   *_int32_words(int(offset)), BLOCK_M=block_m, BLOCK_N=block_n)
+        _dropout_mask_kernel[grid](keep, nrows, ncols, _int32_word(dropout_key(seed, offset)),
+                                   _int32_word(dropout_threshold(p)), BLOCK_M=block_m, BLOCK_N=block_n)
     return keep.view(torch.bool).reshape(*rows_shape, ncols)
 
 

@@ -8,6 +8,12 @@
 // from registers); K and V stream through a pipeline of `stages` shared-memory slots guarded by
 // mbarriers (full: the TMA transaction landed; empty: every consumer warp is done with it).
 //
+// A third switch, kPersistent ("ps1"): one block per SM walks a static list of (row block,
+// head, batch) tiles, heaviest causal tiles first, round robin over the blocks; the barriers are
+// set up once, the producer loads the next tile's K/V (and, once the consumers are done with Q,
+// its Q) while the consumers still finish the current tile, and O goes out through a buffer of
+// its own.
+//
 // Two scheduling switches (both off: the original kernel, instruction for instruction):
 // - kOverlap ("ov1"): software pipelining inside each consumer warpgroup. A step issues
 //   S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back as two wgmma commit groups, waits for
@@ -27,7 +33,7 @@
 namespace sparktune {
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_,
-          bool kOverlap_ = false, bool kPingpong_ = false>
+          bool kOverlap_ = false, bool kPingpong_ = false, bool kPersistent_ = false>
 struct Sm90FwdConfig {
   using Element = Element_;
   static constexpr int kFamily = 90;
@@ -37,6 +43,7 @@ struct Sm90FwdConfig {
   static constexpr int kStages = kStages_;
   static constexpr bool kOverlap = kOverlap_;
   static constexpr bool kPingpong = kPingpong_;
+  static constexpr bool kPersistent = kPersistent_;
   static constexpr bool kIsHalf = std::is_same_v<Element, cutlass::half_t>;
   static constexpr bool kAcc32 = true;  // wgmma with 16-bit inputs: fp32 accumulators here
 
@@ -58,8 +65,10 @@ struct Sm90FwdConfig {
   static constexpr int kConsumerRegs = (kConsumerRegsRaw > 240 ? 240 : kConsumerRegsRaw) / 8 * 8;
   // What a consumer thread keeps live across a key block: the O accumulator (64 x head_dim
   // fp32 per warpgroup), S (64 x block_n fp32) and P (64 x block_n 16-bit), 128 threads each;
-  // kRegOverhead for the row statistics, addresses, descriptors and loop state.
-  static constexpr int kRegOverhead = 40;
+  // kRegOverhead for the row statistics, addresses, descriptors and loop state: ptxas -v for
+  // sm_90a fits head dim 64 with block_n 128 under three consumer warpgroups (160 registers a
+  // thread) without a spill, which the estimate must not refuse.
+  static constexpr int kRegOverhead = 32;
   static constexpr int kRegsO = 64 * kHeadDim / 128;
   static constexpr int kRegsS = 64 * kBlockN / 128;
   static constexpr int kRegsP = kRegsS / 2;
@@ -73,10 +82,13 @@ struct Sm90FwdConfig {
   static constexpr int kSmemKVStage = kBlockN * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemK = kStages * kSmemKVStage;
   static constexpr int kSmemV = kStages * kSmemKVStage;
-  // barriers: Q full, and per stage K full/empty and V full/empty (8 bytes each)
-  static constexpr int kSmemBarriers = (1 + 4 * kStages) * 8;
+  // persistent: O of a tile is staged in a buffer of its own, so that the next tile's Q can
+  // land while the epilogue still stores (else the epilogue reuses Q's rows)
+  static constexpr int kSmemO = kPersistent ? kSmemQ : 0;
+  // barriers: Q full, Q empty, and per stage K full/empty and V full/empty (8 bytes each)
+  static constexpr int kSmemBarriers = (2 + 4 * kStages) * 8;
   static constexpr int kSmemBarrierPad = (kSmemBarriers + 127) / 128 * 128;
-  static constexpr int kSmemBytes = kSmemAlign + kSmemQ + kSmemK + kSmemV + kSmemBarrierPad;
+  static constexpr int kSmemBytes = kSmemAlign + kSmemQ + kSmemK + kSmemV + kSmemO + kSmemBarrierPad;
   static constexpr int kMaxSmemBytes = 227 * 1024;
 
   // ---- validity rules, each with the reason reported for an excluded configuration ----

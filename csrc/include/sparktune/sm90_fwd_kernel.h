@@ -89,15 +89,23 @@ struct SharedStorage {
   CUTE_DEVICE T* q() const { return reinterpret_cast<T*>(base); }
   CUTE_DEVICE T* k() const { return reinterpret_cast<T*>(base + Traits::kSmemQ); }
   CUTE_DEVICE T* v() const { return reinterpret_cast<T*>(base + Traits::kSmemQ + Traits::kSmemK); }
-  CUTE_DEVICE uint64_t* barriers() const {
-    return reinterpret_cast<uint64_t*>(base + Traits::kSmemQ + Traits::kSmemK + Traits::kSmemV);
+  // O's staging buffer: its own when persistent, else Q's rows (free by then)
+  CUTE_DEVICE T* o() const {
+    return reinterpret_cast<T*>(Traits::kPersistent
+                                    ? base + Traits::kSmemQ + Traits::kSmemK + Traits::kSmemV
+                                    : base);
   }
-  // barrier order: Q full, then per stage K full, K empty, V full, V empty
+  CUTE_DEVICE uint64_t* barriers() const {
+    return reinterpret_cast<uint64_t*>(base + Traits::kSmemQ + Traits::kSmemK + Traits::kSmemV +
+                                       Traits::kSmemO);
+  }
+  // barrier order: Q full, Q empty, then per stage K full, K empty, V full, V empty
   CUTE_DEVICE uint64_t* q_full() const { return barriers(); }
-  CUTE_DEVICE uint64_t* k_full() const { return barriers() + 1; }
-  CUTE_DEVICE uint64_t* k_empty() const { return barriers() + 1 + Traits::kStages; }
-  CUTE_DEVICE uint64_t* v_full() const { return barriers() + 1 + 2 * Traits::kStages; }
-  CUTE_DEVICE uint64_t* v_empty() const { return barriers() + 1 + 3 * Traits::kStages; }
+  CUTE_DEVICE uint64_t* q_empty() const { return barriers() + 1; }
+  CUTE_DEVICE uint64_t* k_full() const { return barriers() + 2; }
+  CUTE_DEVICE uint64_t* k_empty() const { return barriers() + 2 + Traits::kStages; }
+  CUTE_DEVICE uint64_t* v_full() const { return barriers() + 2 + 2 * Traits::kStages; }
+  CUTE_DEVICE uint64_t* v_empty() const { return barriers() + 2 + 3 * Traits::kStages; }
 };
 
 }  // namespace sm90
@@ -127,32 +135,51 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       (reinterpret_cast<uintptr_t>(smem_raw) + Traits::kSmemAlign - 1) &
       ~uintptr_t(Traits::kSmemAlign - 1))};
 
-  // the last row blocks see the most keys under a causal mask: schedule them first
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const int kv_head = head / p.group;
-  const int row0 = m_block * kBlockM;
+  // Tiles: (row block, head, batch). Without kPersistent a block runs the tile of its grid
+  // coordinates; with it, block b of the 1-D grid runs tiles b, b + gridDim.x, ... of the list
+  // below. Either way the last row blocks, which see the most keys under a causal mask, come
+  // first.
+  const int num_m_blocks = ceil_div(p.seqlen_q, kBlockM);
+  const int num_tiles = Traits::kPersistent ? num_m_blocks * p.heads_q * p.batch : 1;
+  const int first_tile = Traits::kPersistent ? int(blockIdx.x) : 0;
+  const int tile_step = Traits::kPersistent ? int(gridDim.x) : 1;
+  struct Tile {
+    int m_block, head, batch;
+  };
+  auto tile_at = [&](const int t) {
+    if constexpr (Traits::kPersistent) {
+      const int hb = p.heads_q * p.batch;
+      const int rest = t % hb;
+      return Tile{num_m_blocks - 1 - t / hb, rest % p.heads_q, rest / p.heads_q};
+    } else {
+      return Tile{int(gridDim.x) - 1 - int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
+    }
+  };
   const int diag = p.seqlen_k - p.seqlen_q;  // causal: row i sees column j iff j <= i + diag
   const int warpgroup = threadIdx.x / 128;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
 
-  // Key blocks this row block sees, visited last to first so that the masked ones (the key
-  // tail and the causal diagonal) come first. Producer and consumers walk the same sequence.
-  int n_blocks = ceil_div(p.seqlen_k, kBlockN);
-  if (p.causal) {
-    const int last_col = min(p.seqlen_k - 1, row0 + kBlockM - 1 + diag);
-    n_blocks = last_col < 0 ? 0 : min(n_blocks, last_col / kBlockN + 1);
-  }
+  // Key blocks a row block sees, visited last to first so that the masked ones (the key tail
+  // and the causal diagonal) come first. Producer and consumers walk the same sequence.
+  auto key_blocks = [&](const int row0) {
+    int n = ceil_div(p.seqlen_k, kBlockN);
+    if (p.causal) {
+      const int last_col = min(p.seqlen_k - 1, row0 + kBlockM - 1 + diag);
+      n = last_col < 0 ? 0 : min(n, last_col / kBlockN + 1);
+    }
+    return n;
+  };
 
   auto& q_full = *reinterpret_cast<FullBarrier*>(st.q_full());
+  auto& q_empty = *reinterpret_cast<EmptyBarrier*>(st.q_empty());
   auto k_full = reinterpret_cast<FullBarrier*>(st.k_full());
   auto v_full = reinterpret_cast<FullBarrier*>(st.v_full());
   auto k_empty = reinterpret_cast<EmptyBarrier*>(st.k_empty());
   auto v_empty = reinterpret_cast<EmptyBarrier*>(st.v_empty());
   if (threadIdx.x == 0) {
     q_full.init(1);
+    q_empty.init(kConsumerWarps);
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
       k_full[s].init(1);
@@ -172,37 +199,53 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (warpgroup == 0) {
     // ================================ producer ================================
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (warp == 0 && lane == 0 && n_blocks > 0) {
+    if (warp == 0 && lane == 0) {
       auto tile_q = Shape<Int<kBlockM>, Int<kHeadDim>>{};
       auto tile_kv = Shape<Int<kBlockN>, Int<kHeadDim>>{};
       Tensor mQ = args.tma_q.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
       Tensor mK = args.tma_k.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
       Tensor mV = args.tma_v.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
-      Tensor gQ = local_tile(mQ(_, _, head, batch), tile_q, make_coord(m_block, _0{}));
-      Tensor gK = local_tile(mK(_, _, kv_head, batch), tile_kv, make_coord(_, _0{}));  // (BN,D,n)
-      Tensor gV = local_tile(mV(_, _, kv_head, batch), tile_kv, make_coord(_, _0{}));
-      auto [tQgQ, tQsQ] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                        group_modes<0, 2>(gQ));
-      auto [tKgK, tKsK] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                        group_modes<0, 2>(gK));
-      auto [tVgV, tVsV] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                        group_modes<0, 2>(gV));
-
-      q_full.arrive_and_expect_tx(Traits::kTmaBytesQ);
-      cute::copy(args.tma_q.with(reinterpret_cast<uint64_t&>(q_full)), tQgQ, tQsQ);
-      int stage = 0, phase = 0;
-      for (int n = n_blocks - 1; n >= 0; --n) {
+      int stage = 0, phase = 0, q_round = 0;
+      for (int t = first_tile; t < num_tiles; t += tile_step) {
+        const Tile tile = tile_at(t);
+        const int n_blocks = key_blocks(tile.m_block * kBlockM);
+        if (n_blocks == 0) continue;
+        const int kv_head = tile.head / p.group;
+        Tensor gQ = local_tile(mQ(_, _, tile.head, tile.batch), tile_q, make_coord(tile.m_block, _0{}));
+        Tensor gK = local_tile(mK(_, _, kv_head, tile.batch), tile_kv, make_coord(_, _0{}));  // (BN,D,n)
+        Tensor gV = local_tile(mV(_, _, kv_head, tile.batch), tile_kv, make_coord(_, _0{}));
+        auto [tQgQ, tQsQ] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                          group_modes<0, 2>(gQ));
+        auto [tKgK, tKsK] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                          group_modes<0, 2>(gK));
+        auto [tVgV, tVsV] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                          group_modes<0, 2>(gV));
+        // the first K block goes out before Q waits for the consumers to release the previous
+        // tile's Q, so that both loads overlap the end of that tile
+        const int n_last = n_blocks - 1;
         k_empty[stage].wait(phase ^ 1);
         k_full[stage].arrive_and_expect_tx(Traits::kTmaBytesKV);
-        cute::copy(args.tma_k.with(reinterpret_cast<uint64_t&>(k_full[stage])), tKgK(_, n),
+        cute::copy(args.tma_k.with(reinterpret_cast<uint64_t&>(k_full[stage])), tKgK(_, n_last),
                    tKsK(_, stage));
-        v_empty[stage].wait(phase ^ 1);
-        v_full[stage].arrive_and_expect_tx(Traits::kTmaBytesKV);
-        cute::copy(args.tma_v.with(reinterpret_cast<uint64_t&>(v_full[stage])), tVgV(_, n),
-                   tVsV(_, stage));
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1;
+        q_empty.wait((q_round & 1) ^ 1);
+        q_full.arrive_and_expect_tx(Traits::kTmaBytesQ);
+        cute::copy(args.tma_q.with(reinterpret_cast<uint64_t&>(q_full)), tQgQ, tQsQ);
+        ++q_round;
+        for (int n = n_last; n >= 0; --n) {
+          if (n != n_last) {
+            k_empty[stage].wait(phase ^ 1);
+            k_full[stage].arrive_and_expect_tx(Traits::kTmaBytesKV);
+            cute::copy(args.tma_k.with(reinterpret_cast<uint64_t&>(k_full[stage])), tKgK(_, n),
+                       tKsK(_, stage));
+          }
+          v_empty[stage].wait(phase ^ 1);
+          v_full[stage].arrive_and_expect_tx(Traits::kTmaBytesKV);
+          cute::copy(args.tma_v.with(reinterpret_cast<uint64_t&>(v_full[stage])), tVgV(_, n),
+                     tVsV(_, stage));
+          if (++stage == kStages) {
+            stage = 0;
+            phase ^= 1;
+          }
         }
       }
     }
@@ -222,7 +265,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
   Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
   Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-  clear(acc_o);
   // coordinates (row, col) in the tile of every S element this thread holds
   Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor c_rc = make_tensor(tScS.data(), sm90::rowcol_view(tScS.layout()));
@@ -231,120 +273,52 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kRows = decltype(size<0>(sm90::rowcol_view(typename AccS::layout_type{})))::value;
   float row_max[kRows];
   float row_sum[kRows];
-  CUTE_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    row_max[r] = kNegInf;
-    row_sum[r] = 0.f;
-  }
   const float scale_log2 = p.scale_log2;
+  int stage = 0, phase = 0, q_round = 0;
 
-  int stage = 0, phase = 0;
-  auto step = [&](const int n, auto mask_tag) {
-    constexpr bool kMask = decltype(mask_tag)::value;
-    // S = Q K^T
-    Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    k_full[stage].wait(phase);
-    sm90::wgmma_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
-    warpgroup_wait<0>();
-    if (lane == 0) k_empty[stage].arrive();
-
-    Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
-    if constexpr (kMask) {  // the key tail and, when causal, what lies above the diagonal
-      const int col0 = n * kBlockN;
-      CUTE_UNROLL
-      for (int r = 0; r < size<0>(s_rc); ++r) {
-        const int row = row0 + get<0>(c_rc(r, 0));
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(s_rc); ++c) {
-          const int col = col0 + get<1>(c_rc(r, c));
-          if (col >= p.seqlen_k || (p.causal && col > row + diag)) s_rc(r, c) = kNegInf;
-        }
-      }
-    }
-
-    // online softmax, base 2; a row is spread over the four lanes of a quad
-    Tensor o_rc = make_tensor(acc_o.data(), sm90::rowcol_view(acc_o.layout()));
+  for (int t = first_tile; t < num_tiles; t += tile_step) {
+    const Tile tile = tile_at(t);
+    const int head = tile.head;
+    const int batch = tile.batch;
+    const int row0 = tile.m_block * kBlockM;
+    const int n_blocks = key_blocks(row0);
+    clear(acc_o);
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      float mx = row_max[r];
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s_rc); ++c) mx = fmaxf(mx, s_rc(r, c));
-      mx = allreduce_xor<2>(mx, MaxOp{});
-      const float base = mx == kNegInf ? 0.f : mx * scale_log2;
-      const float alpha = exp2f(row_max[r] * scale_log2 - base);
-      row_max[r] = mx;
-      float sum = 0.f;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s_rc); ++c) {
-        const float e = exp2f(fmaf(s_rc(r, c), scale_log2, -base));
-        s_rc(r, c) = e;
-        sum += e;
-      }
-      row_sum[r] = row_sum[r] * alpha + sum;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= alpha;
+      row_max[r] = kNegInf;
+      row_sum[r] = 0.f;
     }
-
-    // O += P V with P from registers
-    Tensor rP = convert_fragment<T>(acc_s);
-    Tensor tOrP = make_tensor(rP.data(), sm90::acc_as_operand_a(rP.layout()));
-    v_full[stage].wait(phase);
-    sm90::wgmma_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, stage), acc_o);
-    warpgroup_wait<0>();
-    if (lane == 0) v_empty[stage].arrive();
-    if (++stage == kStages) {
-      stage = 0;
-      phase ^= 1;
-    }
-  };
-
-  auto needs_mask = [&](int n) {
-    return (n + 1) * kBlockN > p.seqlen_k || (p.causal && (n + 1) * kBlockN - 1 > row0 + diag);
-  };
-  if constexpr (!Traits::kOverlap) {
-    if (n_blocks > 0) q_full.wait(0);
-    int n = n_blocks - 1;
-    for (; n >= 0 && needs_mask(n); --n) step(n, cute::true_type{});
-    for (; n >= 0; --n) step(n, cute::false_type{});
-  } else if (n_blocks > 0) {
-    // ---- the overlapped order (ov1): S_j's softmax runs under P_{j-1} V_{j-1} ----
-    // A GEMM burst: S_j and P_{j-1} V_{j-1} issued back to back. With ping-pong (pp1) the two
-    // warpgroups take turns: warpgroup c waits at barrier kSchedBarrier + c before its burst
-    // and opens the other's after it. Each warpgroup has n_blocks + 1 bursts; warpgroup 1
-    // opens warpgroup 0's first one and skips the opening after its last, so every barrier
-    // sees as many arrivals as waits.
-    constexpr int kSchedBarrier = 4;  // user ids 1..3 belong to the epilogue
-    auto burst_begin = [&]() {
-      if constexpr (Traits::kPingpong) cutlass::arch::NamedBarrier::sync(256, kSchedBarrier + cwg);
+    // this tile's Q, once it has landed (the phase flips with every tile that loads one)
+    auto wait_q = [&]() { q_full.wait(q_round & 1); };
+    auto release_q = [&]() {  // every S product of the tile is done: Q's slot may be refilled
+      if (lane == 0) q_empty.arrive();
+      ++q_round;
     };
-    auto burst_end = [&](const bool last) {
-      if constexpr (Traits::kPingpong) {
-        if (!(last && cwg == 1)) cutlass::arch::NamedBarrier::arrive(256, kSchedBarrier + (cwg ^ 1));
-      }
-    };
-    if constexpr (Traits::kPingpong) {
-      if (cwg == 1) cutlass::arch::NamedBarrier::arrive(256, kSchedBarrier + 0);
-    }
+    auto step = [&](const int n, auto mask_tag) {
+      constexpr bool kMask = decltype(mask_tag)::value;
+      // S = Q K^T
+      Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      k_full[stage].wait(phase);
+      sm90::wgmma_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
+      warpgroup_wait<0>();
+      if (lane == 0) k_empty[stage].arrive();
 
-    auto mask_s = [&](auto& acc_s, const int n) {  // the key tail and the causal diagonal
       Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
-      const int col0 = n * kBlockN;
-      CUTE_UNROLL
-      for (int r = 0; r < size<0>(s_rc); ++r) {
-        const int row = row0 + get<0>(c_rc(r, 0));
+      if constexpr (kMask) {  // the key tail and, when causal, what lies above the diagonal
+        const int col0 = n * kBlockN;
         CUTE_UNROLL
-        for (int c = 0; c < size<1>(s_rc); ++c) {
-          const int col = col0 + get<1>(c_rc(r, c));
-          if (col >= p.seqlen_k || (p.causal && col > row + diag)) s_rc(r, c) = kNegInf;
+        for (int r = 0; r < size<0>(s_rc); ++r) {
+          const int row = row0 + get<0>(c_rc(r, 0));
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(s_rc); ++c) {
+            const int col = col0 + get<1>(c_rc(r, c));
+            if (col >= p.seqlen_k || (p.causal && col > row + diag)) s_rc(r, c) = kNegInf;
+          }
         }
       }
-    };
-    // online softmax of S (base 2, a row over the four lanes of a quad): S becomes the
-    // unnormalised probabilities, the row statistics move on, alpha[r] is what O's row r is
-    // to be multiplied by once the pending P V product has landed in it
-    float alpha[kRows];
-    auto softmax_s = [&](auto& acc_s) {
-      Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
+
+      // online softmax, base 2; a row is spread over the four lanes of a quad
+      Tensor o_rc = make_tensor(acc_o.data(), sm90::rowcol_view(acc_o.layout()));
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         float mx = row_max[r];
@@ -352,7 +326,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         for (int c = 0; c < size<1>(s_rc); ++c) mx = fmaxf(mx, s_rc(r, c));
         mx = allreduce_xor<2>(mx, MaxOp{});
         const float base = mx == kNegInf ? 0.f : mx * scale_log2;
-        alpha[r] = exp2f(row_max[r] * scale_log2 - base);
+        const float alpha = exp2f(row_max[r] * scale_log2 - base);
         row_max[r] = mx;
         float sum = 0.f;
         CUTE_UNROLL
@@ -361,121 +335,207 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           s_rc(r, c) = e;
           sum += e;
         }
-        row_sum[r] = row_sum[r] * alpha[r] + sum;
-      }
-    };
-    auto rescale_o = [&]() {
-      Tensor o_rc = make_tensor(acc_o.data(), sm90::rowcol_view(acc_o.layout()));
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
+        row_sum[r] = row_sum[r] * alpha + sum;
         CUTE_UNROLL
-        for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= alpha[r];
+        for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= alpha;
       }
-    };
-    // P of the previous block, kept in registers until its P V product is done
-    Tensor rP = make_tensor<T>(typename AccS::layout_type{});
-    Tensor tOrP = make_tensor(rP.data(), sm90::acc_as_operand_a(rP.layout()));
-    int pstage = 0, pphase = 0;  // the slot of the block whose V is still to be multiplied
-    auto advance = [&]() {
-      pstage = stage;
-      pphase = phase;
+
+      // O += P V with P from registers
+      Tensor rP = convert_fragment<T>(acc_s);
+      Tensor tOrP = make_tensor(rP.data(), sm90::acc_as_operand_a(rP.layout()));
+      v_full[stage].wait(phase);
+      sm90::wgmma_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, stage), acc_o);
+      warpgroup_wait<0>();
+      if (lane == 0) v_empty[stage].arrive();
       if (++stage == kStages) {
         stage = 0;
         phase ^= 1;
       }
     };
 
-    q_full.wait(0);
-    int n = n_blocks - 1;
-    {  // the first block: S only (O is still zero, nothing to rescale)
-      Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      k_full[stage].wait(phase);
-      burst_begin();
-      sm90::wgmma_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
-      burst_end(false);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_s);
-      if (lane == 0) k_empty[stage].arrive();
-      if (needs_mask(n)) mask_s(acc_s, n);
-      softmax_s(acc_s);
-      sm90::convert_into(acc_s, rP);
-      advance();
-    }
-    auto step_ov = [&](const int n, auto mask_tag) {
-      constexpr bool kMask = decltype(mask_tag)::value;
-      Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      k_full[stage].wait(phase);
+    auto needs_mask = [&](int n) {
+      return (n + 1) * kBlockN > p.seqlen_k || (p.causal && (n + 1) * kBlockN - 1 > row0 + diag);
+    };
+    if constexpr (!Traits::kOverlap) {
+      if (n_blocks > 0) wait_q();
+      int n = n_blocks - 1;
+      for (; n >= 0 && needs_mask(n); --n) step(n, cute::true_type{});
+      for (; n >= 0; --n) step(n, cute::false_type{});
+      if (n_blocks > 0) release_q();
+    } else if (n_blocks > 0) {
+      // ---- the overlapped order (ov1): S_j's softmax runs under P_{j-1} V_{j-1} ----
+      // A GEMM burst: S_j and P_{j-1} V_{j-1} issued back to back. With ping-pong (pp1) the two
+      // warpgroups take turns: warpgroup c waits at barrier kSchedBarrier + c before its burst
+      // and opens the other's after it. Each warpgroup has n_blocks + 1 bursts; warpgroup 1
+      // opens warpgroup 0's first one and skips the opening after its last, so every barrier
+      // sees as many arrivals as waits.
+      constexpr int kSchedBarrier = 4;  // user ids 1..3 belong to the epilogue
+      auto burst_begin = [&]() {
+        if constexpr (Traits::kPingpong) cutlass::arch::NamedBarrier::sync(256, kSchedBarrier + cwg);
+      };
+      auto burst_end = [&](const bool last) {
+        if constexpr (Traits::kPingpong) {
+          if (!(last && cwg == 1)) cutlass::arch::NamedBarrier::arrive(256, kSchedBarrier + (cwg ^ 1));
+        }
+      };
+      if constexpr (Traits::kPingpong) {
+        if (cwg == 1) cutlass::arch::NamedBarrier::arrive(256, kSchedBarrier + 0);
+      }
+
+      auto mask_s = [&](auto& acc_s, const int n) {  // the key tail and the causal diagonal
+        Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
+        const int col0 = n * kBlockN;
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(s_rc); ++r) {
+          const int row = row0 + get<0>(c_rc(r, 0));
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(s_rc); ++c) {
+            const int col = col0 + get<1>(c_rc(r, c));
+            if (col >= p.seqlen_k || (p.causal && col > row + diag)) s_rc(r, c) = kNegInf;
+          }
+        }
+      };
+      // online softmax of S (base 2, a row over the four lanes of a quad): S becomes the
+      // unnormalised probabilities, the row statistics move on, alpha[r] is what O's row r is
+      // to be multiplied by once the pending P V product has landed in it
+      float alpha[kRows];
+      auto softmax_s = [&](auto& acc_s) {
+        Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          float mx = row_max[r];
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(s_rc); ++c) mx = fmaxf(mx, s_rc(r, c));
+          mx = allreduce_xor<2>(mx, MaxOp{});
+          const float base = mx == kNegInf ? 0.f : mx * scale_log2;
+          alpha[r] = exp2f(row_max[r] * scale_log2 - base);
+          row_max[r] = mx;
+          float sum = 0.f;
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(s_rc); ++c) {
+            const float e = exp2f(fmaf(s_rc(r, c), scale_log2, -base));
+            s_rc(r, c) = e;
+            sum += e;
+          }
+          row_sum[r] = row_sum[r] * alpha[r] + sum;
+        }
+      };
+      auto rescale_o = [&]() {
+        Tensor o_rc = make_tensor(acc_o.data(), sm90::rowcol_view(acc_o.layout()));
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= alpha[r];
+        }
+      };
+      // P of the previous block, kept in registers until its P V product is done
+      Tensor rP = make_tensor<T>(typename AccS::layout_type{});
+      Tensor tOrP = make_tensor(rP.data(), sm90::acc_as_operand_a(rP.layout()));
+      int pstage = 0, pphase = 0;  // the slot of the block whose V is still to be multiplied
+      auto advance = [&]() {
+        pstage = stage;
+        pphase = phase;
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      };
+
+      wait_q();
+      int n = n_blocks - 1;
+      {  // the first block: S only (O is still zero, nothing to rescale)
+        Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        k_full[stage].wait(phase);
+        burst_begin();
+        sm90::wgmma_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
+        burst_end(false);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_s);
+        if (lane == 0) k_empty[stage].arrive();
+        if (needs_mask(n)) mask_s(acc_s, n);
+        softmax_s(acc_s);
+        sm90::convert_into(acc_s, rP);
+        advance();
+      }
+      auto step_ov = [&](const int n, auto mask_tag) {
+        constexpr bool kMask = decltype(mask_tag)::value;
+        Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        k_full[stage].wait(phase);
+        v_full[pstage].wait(pphase);
+        burst_begin();
+        sm90::wgmma_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
+        sm90::wgmma_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, pstage), acc_o);
+        burst_end(false);
+        warpgroup_wait<1>();  // S_j is done, P_{j-1} V_{j-1} may still run
+        warpgroup_fence_operand(acc_s);
+        if (lane == 0) k_empty[stage].arrive();
+        if constexpr (kMask) mask_s(acc_s, n);
+        softmax_s(acc_s);
+        warpgroup_wait<0>();  // O and P_{j-1} are free again
+        warpgroup_fence_operand(acc_o);
+        warpgroup_fence_operand(rP);
+        if (lane == 0) v_empty[pstage].arrive();
+        rescale_o();
+        sm90::convert_into(acc_s, rP);
+        advance();
+      };
+      for (--n; n >= 0 && needs_mask(n); --n) step_ov(n, cute::true_type{});
+      for (; n >= 0; --n) step_ov(n, cute::false_type{});
+      release_q();
+      // the last block's P V
       v_full[pstage].wait(pphase);
       burst_begin();
-      sm90::wgmma_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
       sm90::wgmma_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, pstage), acc_o);
-      burst_end(false);
-      warpgroup_wait<1>();  // S_j is done, P_{j-1} V_{j-1} may still run
-      warpgroup_fence_operand(acc_s);
-      if (lane == 0) k_empty[stage].arrive();
-      if constexpr (kMask) mask_s(acc_s, n);
-      softmax_s(acc_s);
-      warpgroup_wait<0>();  // O and P_{j-1} are free again
+      burst_end(true);
+      warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
-      warpgroup_fence_operand(rP);
       if (lane == 0) v_empty[pstage].arrive();
-      rescale_o();
-      sm90::convert_into(acc_s, rP);
-      advance();
-    };
-    for (--n; n >= 0 && needs_mask(n); --n) step_ov(n, cute::true_type{});
-    for (; n >= 0; --n) step_ov(n, cute::false_type{});
-    // the last block's P V
-    v_full[pstage].wait(pphase);
-    burst_begin();
-    sm90::wgmma_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, pstage), acc_o);
-    burst_end(true);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_o);
-    if (lane == 0) v_empty[pstage].arrive();
-  }
+    }
 
-  // ---- epilogue: O /= rowsum, log-sum-exp, O through shared memory to global ----
-  float* lse_ptr = p.lse + (int64_t(batch) * p.heads_q + head) * p.seqlen_q;
-  Tensor o_rc = make_tensor(acc_o.data(), sm90::rowcol_view(acc_o.layout()));
-  CUTE_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    const float sum = allreduce_xor<2>(row_sum[r], SumOp{});
-    const bool empty = !(sum > 0.f);  // no visible key in this row
-    const float inv = empty ? 0.f : 1.f / sum;
+    // ---- epilogue: O /= rowsum, log-sum-exp, O through shared memory to global ----
+    float* lse_ptr = p.lse + (int64_t(batch) * p.heads_q + head) * p.seqlen_q;
+    Tensor o_rc = make_tensor(acc_o.data(), sm90::rowcol_view(acc_o.layout()));
     CUTE_UNROLL
-    for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= inv;
-    if (lane % 4 == 0) {  // the lane holding the row's first columns writes its statistic
-      const int row = row0 + get<0>(c_rc(r, 0));
-      if (row < p.seqlen_q) {
-        lse_ptr[row] = empty ? kNegInf : (row_max[r] * scale_log2 + log2f(sum)) * sm90::kLn2;
+    for (int r = 0; r < kRows; ++r) {
+      const float sum = allreduce_xor<2>(row_sum[r], SumOp{});
+      const bool empty = !(sum > 0.f);  // no visible key in this row
+      const float inv = empty ? 0.f : 1.f / sum;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= inv;
+      if (lane % 4 == 0) {  // the lane holding the row's first columns writes its statistic
+        const int row = row0 + get<0>(c_rc(r, 0));
+        if (row < p.seqlen_q) {
+          lse_ptr[row] = empty ? kNegInf : (row_max[r] * scale_log2 + log2f(sum)) * sm90::kLn2;
+        }
       }
     }
-  }
 
-  // this warpgroup's rows of the Q tile are free (its last S product has completed)
-  Tensor rO = convert_fragment<T>(acc_o);
-  Tensor sO = make_tensor(make_smem_ptr(st.q()), typename Traits::SmemLayoutQ{});
-  cute::copy(rO, thr_o.partition_C(sO));
-  cutlass::arch::NamedBarrier::sync(128, 1 + cwg);  // the warpgroup's rows are in shared memory
+    // O's staging rows: Q's rows of this warpgroup (free: its last S product has completed), or
+    // when persistent a buffer of its own, whose rows the previous tile's stores may still read
+    Tensor rO = convert_fragment<T>(acc_o);
+    Tensor sO = make_tensor(make_smem_ptr(st.o()), typename Traits::SmemLayoutQ{});
+    if constexpr (Traits::kPersistent) cutlass::arch::NamedBarrier::sync(128, 1 + cwg);
+    cute::copy(rO, thr_o.partition_C(sO));
+    cutlass::arch::NamedBarrier::sync(128, 1 + cwg);  // the warpgroup's rows are in shared memory
 
-  T* o_ptr = static_cast<T*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
-  const int wg_row0 = row0 + cwg * 64;
-  Tensor gO = make_tensor(make_gmem_ptr(o_ptr + int64_t(wg_row0) * p.o_row_stride),
-                          make_shape(Int<64>{}, Int<kHeadDim>{}), make_stride(p.o_row_stride, _1{}));
-  Tensor sOw = local_tile(sO, Shape<Int<64>, Int<kHeadDim>>{}, make_coord(cwg, _0{}));
-  typename Traits::GmemTiledCopyO copy_o;
-  auto thr_copy_o = copy_o.get_thread_slice(ctid % 128);
-  Tensor tOsO = thr_copy_o.partition_S(sOw);
-  Tensor tOgO = thr_copy_o.partition_D(gO);
-  Tensor tOcO = thr_copy_o.partition_D(make_identity_tensor(Shape<Int<64>, Int<kHeadDim>>{}));
-  CUTE_UNROLL
-  for (int m = 0; m < size<1>(tOsO); ++m) {
-    if (wg_row0 + get<0>(tOcO(0, m, 0)) < p.seqlen_q) {
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(tOsO); ++k) cute::copy(copy_o, tOsO(_, m, k), tOgO(_, m, k));
+    T* o_ptr = static_cast<T*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
+    const int wg_row0 = row0 + cwg * 64;
+    Tensor gO = make_tensor(make_gmem_ptr(o_ptr + int64_t(wg_row0) * p.o_row_stride),
+                            make_shape(Int<64>{}, Int<kHeadDim>{}), make_stride(p.o_row_stride, _1{}));
+    Tensor sOw = local_tile(sO, Shape<Int<64>, Int<kHeadDim>>{}, make_coord(cwg, _0{}));
+    typename Traits::GmemTiledCopyO copy_o;
+    auto thr_copy_o = copy_o.get_thread_slice(ctid % 128);
+    Tensor tOsO = thr_copy_o.partition_S(sOw);
+    Tensor tOgO = thr_copy_o.partition_D(gO);
+    Tensor tOcO = thr_copy_o.partition_D(make_identity_tensor(Shape<Int<64>, Int<kHeadDim>>{}));
+    CUTE_UNROLL
+    for (int m = 0; m < size<1>(tOsO); ++m) {
+      if (wg_row0 + get<0>(tOcO(0, m, 0)) < p.seqlen_q) {
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(tOsO); ++k) cute::copy(copy_o, tOsO(_, m, k), tOgO(_, m, k));
+      }
     }
-  }
+  }  // tiles
 #else
   __trap();  // sm_90a only (wgmma, TMA, setmaxnreg)
 #endif

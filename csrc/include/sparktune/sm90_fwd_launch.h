@@ -29,6 +29,24 @@ bool sm90_tma_compatible(FwdParams const& p) {
          ok_stride(p.o_row_stride);
 }
 
+// The SM count of the current device, asked once per device.
+inline cudaError_t sm_count(int& out) {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices] = {};
+  int dev = 0;
+  if (cudaError_t err = cudaGetDevice(&dev); err != cudaSuccess) return err;
+  if (dev >= 0 && dev < kMaxDevices && cached[dev] > 0) {
+    out = cached[dev];
+    return cudaSuccess;
+  }
+  if (cudaError_t err = cudaDeviceGetAttribute(&out, cudaDevAttrMultiProcessorCount, dev);
+      err != cudaSuccess) {
+    return err;
+  }
+  if (dev >= 0 && dev < kMaxDevices) cached[dev] = out;
+  return cudaSuccess;
+}
+
 template <class Traits>
 cudaError_t launch_sm90_fwd(FwdParams const& p, cudaStream_t stream) {
   using T = typename Traits::Element;
@@ -66,6 +84,12 @@ cudaError_t launch_sm90_fwd(FwdParams const& p, cudaStream_t stream) {
                     Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{}),
   };
   dim3 grid(ceil_div(p.seqlen_q, Traits::kBlockM), p.heads_q, p.batch);
+  if constexpr (Traits::kPersistent) {  // one block per SM (at most one tile each)
+    const int64_t tiles = int64_t(grid.x) * grid.y * grid.z;
+    int sms = 0;
+    if (cudaError_t err = sm_count(sms); err != cudaSuccess) return err;
+    grid = dim3(unsigned(tiles < sms ? tiles : sms), 1, 1);
+  }
   kernel<<<grid, Traits::kThreads, kSmem, stream>>>(args);
   return cudaGetLastError();
 }
