@@ -222,10 +222,8 @@ def worker_speed(names: list[str], rounds: int, budget_s: float) -> int:
         if fwd_name is None:
             print(f"hd {d}: no fp16 forward kernel compiled, skipped")
             continue
-        default_bwd = spark._BWD_DEFAULTS.get((90, d))
-        det_name = next((n for n in ks if default_bwd is not None and (
-            infos[n]["block_m"], infos[n]["block_n"], infos[n]["warps_m"], infos[n]["warps_n"])
-            == default_bwd), ks[0])
+        tail = spark._DEFAULTS90.get(("bwd", d))
+        det_name = next((n for n in ks if tail is not None and n.endswith("_" + tail)), ks[0])
         print(f"\nhd {d}: our forward {fwd_name}; deterministic timed with {det_name}")
         print(f"{'causal':>6} {'seqlen':>6} {'cudnn':>7}  ours (x cudnn)")
         for causal in (False, True):

@@ -100,11 +100,6 @@ class SparkBackend(Backend):
         (70, 32): (64, 64, 2, 4),
         (70, 64): (64, 64, 2, 4),
         (70, 128): (64, 32, 2, 4),
-        # Hopper (family 90, picked on sm_90 only): to be measured (tools/gpu_check_sm90_bwd.py).
-        # A guess from the register budget: head dim 64 with query tiles of 128, head dim 128
-        # with 64 (two consumer warpgroups of 64 keys; warps_m counts the consumer warps).
-        (90, 64): (128, 128, 8, 1),
-        (90, 128): (64, 128, 8, 1),
     }
 
     # Hopper forward defaults per head dim: the name's tile and schedule suffix of the sm90
@@ -116,6 +111,10 @@ class SparkBackend(Backend):
     _DEFAULTS90 = {
         ("fwd", 64): "m192n128_s2_ov1_pp0",
         ("fwd", 128): "m128n128_s2_ov1_pp0",
+        # the backward: a guess from the register and shared-memory rules, to be measured
+        # (tools/gpu_check_sm90_bwd.py)
+        ("bwd", 64): "m64n128_s2",
+        ("bwd", 128): "m64n128_s2",
     }
 
     def __init__(self) -> None:
@@ -237,13 +236,6 @@ class SparkBackend(Backend):
                 if exact:
                     return min(exact)
         family = 70 if device is not None and device.arch < 80 else 80
-        if (
-            problem.op == "bwd"
-            and device is not None
-            and device.arch == 90
-            and any(cat[c.config]["family"] == 90 for c in cands)
-        ):
-            family = 90  # the Hopper backward where it runs (its defaults are to be measured)
         defaults = self._BWD_DEFAULTS if problem.op == "bwd" else self._DEFAULTS
         want = defaults.get((family, problem.head_dim))
 

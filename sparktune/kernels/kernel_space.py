@@ -328,13 +328,19 @@ BWD_DEFAULTS = {
 SM90_DEFAULTS = {
     ("fwd", 64): "m192n128_s2_ov1_pp0",
     ("fwd", 128): "m128n128_s2_ov1_pp0",
+    # Backward: not measured yet (tools/gpu_check_sm90_bwd.py will say): two consumer
+    # warpgroups of 64 keys, query tiles of 64 (the tiles the register and shared-memory rules
+    # leave for head dim 128; for head dim 64 the one-warpgroup m64n64 is the other choice).
+    ("bwd", 64): "m64n128_s2",
+    ("bwd", 128): "m64n128_s2",
 }
 
 
 def is_default(e) -> bool:
     """Whether ``e`` is the default configuration of its (family, op, dtype, head_dim)."""
-    if isinstance(e, Fwd90Entry):
-        tail = SM90_DEFAULTS.get(("fwd", e.head_dim))
+    if isinstance(e, (Fwd90Entry, Bwd90Entry)):
+        op = "fwd" if isinstance(e, Fwd90Entry) else "bwd"
+        tail = SM90_DEFAULTS.get((op, e.head_dim))
         return tail is not None and e.name.endswith(f"_d{e.head_dim}_{tail}")
     table = BWD_DEFAULTS if isinstance(e, BwdEntry) else FWD_DEFAULTS
     want = table.get((getattr(e, "family", 0), e.head_dim))
