@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Check every compiled Hopper backward (bwd_sm90_*) kernel on an H100/H200, then time it.
 
-    . tools/device_prep.sh 'bwd_sm90_*,fwd_sm90_f16_d*_m128n128_s2' \\
+    . tools/device_prep.sh 'bwd_sm90_*,default' \\
         && python3 tools/gpu_check_sm90_bwd.py --out "$OUT/bwd90.log"
     python3 tools/gpu_check_sm90_bwd.py --kernels 'bwd_sm90_f16_d128_*' --no-speed
 
@@ -217,7 +217,9 @@ def worker_speed(names: list[str], rounds: int, budget_s: float) -> int:
             continue
         fwds = sorted(n for n, k in infos.items() if k["op"] == "fwd" and k["head_dim"] == d
                       and k["dtype"] == "float16" and k["family"] in (80, 90))
-        fwd90 = [n for n in fwds if n.startswith("fwd_sm90_")]
+        fwd_tail = spark._DEFAULTS90.get(("fwd", d), "")
+        fwd90 = sorted((n for n in fwds if n.startswith("fwd_sm90_")),
+                       key=lambda n: (not n.endswith("_" + fwd_tail), n))  # the default first
         fwd_name = (fwd90 or fwds or [None])[0]
         if fwd_name is None:
             print(f"hd {d}: no fp16 forward kernel compiled, skipped")
