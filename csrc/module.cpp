@@ -151,8 +151,13 @@ void bwd(const std::string& name, uintptr_t q, uintptr_t k, uintptr_t v, uintptr
          uintptr_t lse, uintptr_t dout, uintptr_t dq, uintptr_t dk, uintptr_t dv,
          uintptr_t dq_accum, uintptr_t dsum, int batch, int heads_q, int heads_kv, int seqlen_q,
          int seqlen_k, int head_dim, Strides qs, Strides ks, Strides vs, Strides os, Strides dos,
-         Strides dqs, Strides dks, Strides dvs, double scale, bool causal, uintptr_t stream) {
+         Strides dqs, Strides dks, Strides dvs, double scale, bool causal, uintptr_t stream,
+         uintptr_t dq_semaphore) {
   const KernelInfo& info = find_kernel(name, "bwd");
+  if (dq_semaphore != 0 && info.family != 90) {
+    throw std::invalid_argument("kernel '" + name +
+                                "' has no deterministic mode (dq_semaphore is for family 90)");
+  }
   BwdParams p;
   fill_common(p, info, q, k, v, o, lse, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim,
               qs, ks, vs, os, scale, causal);
@@ -162,6 +167,7 @@ void bwd(const std::string& name, uintptr_t q, uintptr_t k, uintptr_t v, uintptr
   p.dv = reinterpret_cast<void*>(dv);
   p.dq_accum = reinterpret_cast<float*>(dq_accum);
   p.dsum = reinterpret_cast<float*>(dsum);
+  p.dq_semaphore = reinterpret_cast<int*>(dq_semaphore);
   std::tie(p.do_batch_stride, p.do_head_stride, p.do_row_stride) = dos;
   std::tie(p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride) = dqs;
   std::tie(p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride) = dks;
@@ -208,5 +214,6 @@ PYBIND11_MODULE(_C, m) {
         py::arg("heads_kv"), py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"),
         py::arg("q_strides"), py::arg("k_strides"), py::arg("v_strides"), py::arg("o_strides"),
         py::arg("dout_strides"), py::arg("dq_strides"), py::arg("dk_strides"),
-        py::arg("dv_strides"), py::arg("scale"), py::arg("causal"), py::arg("stream"));
+        py::arg("dv_strides"), py::arg("scale"), py::arg("causal"), py::arg("stream"),
+        py::arg("dq_semaphore") = 0);
 }

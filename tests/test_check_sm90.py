@@ -1,5 +1,6 @@
-"""The Hopper (sm90) family compiles: one generated forward kernel built for sm_90a with the
-local nvcc, no spills, wgmma and TMA in its PTX (tools/check_sm90.py). No GPU needed."""
+"""The Hopper (sm90) family compiles: one generated forward and one backward kernel built for
+sm_90a with the local nvcc, no spills, wgmma and TMA in their PTX (tools/check_sm90.py). No GPU
+needed."""
 
 from __future__ import annotations
 
@@ -25,12 +26,40 @@ def test_parse_ptxas():
                                       "stack_frame": 0}
 
 
+def test_parse_ptxas_picks_the_named_entry():
+    # a backward unit compiles the preprocess and dQ conversion kernels too
+    log = ("ptxas info    : Compiling entry function '_Z21bwd_convert_dq_kernel' for 'sm_90a'\n"
+           "ptxas info    : Function properties for _Z21bwd_convert_dq_kernel\n"
+           "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+           "ptxas info    : Used 24 registers, used 0 barriers\n"
+           "ptxas info    : Compiling entry function '_Z15sm90_bwd_kernelI' for 'sm_90a'\n"
+           "ptxas info    : Function properties for _Z15sm90_bwd_kernelI\n"
+           "    8 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n"
+           "ptxas info    : Used 168 registers, used 11 barriers\n")
+    assert check.parse_ptxas(log, "sm90_bwd_kernel") == {
+        "registers": 168, "spill_stores": 8, "spill_loads": 12, "stack_frame": 8}
+    assert check.parse_ptxas(log)["registers"] == 24
+
+
 def test_space_has_sm90_entries():
     from sparktune.kernels import kernel_space
 
-    names = [e.name for e in kernel_space.forward_space() if e.family == 90]
-    assert check.DEFAULT in names
+    names = [e.name for e in kernel_space.full_space() if e.family == 90]
+    assert set(check.DEFAULT.split(",")) <= set(names)
     assert {"fwd_sm90_f16_d64_m128n128_s2", "fwd_sm90_bf16_d128_m128n128_s2"} <= set(names)
+    assert {"bwd_sm90_f16_d128_m64n128_s2", "bwd_sm90_bf16_d64_m128n128_s2"} <= set(names)
+
+
+def test_sm90_backward_entries():
+    from sparktune.kernels import kernel_space
+
+    e = kernel_space.Bwd90Entry("bf16", 128, 64, 128, 3)
+    assert e.name == "bwd_sm90_bf16_d128_m64n128_s3"
+    assert e.config_type == "Sm90BwdConfig<cutlass::bfloat16_t, 128, 64, 128, 3>"
+    assert e.family == 90 and e.launch_header == "sparktune/sm90_bwd_launch.h"
+    bwd = [x for x in kernel_space.backward_space() if isinstance(x, kernel_space.Bwd90Entry)]
+    assert {x.dtype for x in bwd} == {"f16", "bf16"} and {x.head_dim for x in bwd} >= {64, 128}
+    assert kernel_space.select(kernel_space.full_space(), "bwd_sm90_f16_d128_*")
 
 
 def test_sm90_scheduling_switches_are_name_suffixes():
@@ -46,6 +75,30 @@ def test_sm90_scheduling_switches_are_name_suffixes():
     assert {"fwd_sm90_f16_d64_m128n128_s2_ov1_pp0", "fwd_sm90_bf16_d128_m128n128_s2_ov1_pp1"} <= names
 
 
+def test_sm90_backward_rules_say_why(tmp_path):
+    """The C++ rules of the Hopper backward: which declared entries are built, and the reason
+    for each that is not."""
+    try:
+        nvcc = check.find_nvcc()
+        inc = check.cutlass_include()
+    except check.ToolUnavailable as e:
+        pytest.skip(f"cannot compile CUDA here: {e}")
+    subprocess.run([sys.executable, str(ROOT / "csrc" / "gen_kernels.py"), "--out", str(tmp_path),
+                    "--nvcc", str(nvcc), "--include", str(inc), "--include",
+                    str(ROOT / "csrc" / "include"), "--filter", "bwd_sm90_*", "--families", "90"],
+                   check=True, capture_output=True, text=True)
+    rows = {r.split("\t")[0]: r.split("\t") for r in (tmp_path / "space.tsv").read_text().splitlines()}
+    for dt in ("f16", "bf16"):
+        for name in (f"bwd_sm90_{dt}_d128_m64n128_s2", f"bwd_sm90_{dt}_d64_m64n128_s2"):
+            assert rows[name][1] == "1", rows[name]
+            assert rows[name][3] == "384"  # two consumer warpgroups and the producer
+            src = (tmp_path / f"{name}.cu").read_text()
+            assert "register_sm90_bwd<Sm90BwdConfig<" in src
+        assert "head dims 64 and 128" in rows[f"bwd_sm90_{dt}_d256_m64n128_s2"][4]
+        assert "shared memory" in rows[f"bwd_sm90_{dt}_d128_m128n128_s2"][4]
+        assert "register budget" in rows[f"bwd_sm90_{dt}_d64_m128n128_s2"][4]
+
+
 @pytest.mark.build
 def test_one_sm90_kernel_compiles_without_spills():
     try:
@@ -57,9 +110,10 @@ def test_one_sm90_kernel_compiles_without_spills():
                          capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = res.stdout.strip().splitlines()
-    assert lines[-1] == "1 passed, 0 failed", res.stdout
-    assert lines[0].startswith(check.DEFAULT) and "spill=0/0" in lines[0]
-    assert "wgmma=0 " not in lines[0]
+    assert lines[-1] == "2 passed, 0 failed", res.stdout
+    for line, name in zip(lines, check.DEFAULT.split(","), strict=False):
+        assert line.startswith(name) and "spill=0/0" in line
+        assert "wgmma=0 " not in line and "tma=0 " not in line
 
 
 def test_spark_says_sm90a_runs_on_sm90_only():
@@ -77,3 +131,46 @@ def test_spark_says_sm90a_runs_on_sm90_only():
     assert _tma_refuses(k["name"], [(16, 8, 128)] * 3 + [(0, 8, 128)])
     assert not _tma_refuses(k["name"], [(16, 8, 128)] * 4)
     assert not _tma_refuses("fwd_sm80_f16_d128_m128n64_w4x1_acc32_preg", [(0, 8, 128)] * 4)
+    assert _tma_refuses("bwd_sm90_f16_d128_m64n128_s2", [(16, 8, 128)] * 4 + [(0, 8, 128)])
+
+
+def _bwd_catalogue():
+    def k(name, family, bm, bn, wm, wn):
+        return {"name": name, "op": "bwd", "family": family, "dtype": "float16", "head_dim": 128,
+                "block_m": bm, "block_n": bn, "warps_m": wm, "warps_n": wn, "accum": 32,
+                "softmax": "smem", "min_arch": family, "archs": [80, 90], "smem_bytes": 1000}
+    return {x["name"]: x for x in (
+        k("bwd_sm80_f16_d128_m64n128_w2x4_acc32", 80, 64, 128, 2, 4),
+        k("bwd_sm90_f16_d128_m64n128_s2", 90, 64, 128, 8, 1),
+        k("bwd_sm90_f16_d128_m64n128_s3", 90, 64, 128, 8, 1),
+        k("bwd_sm90_f16_d128_m64n64_s2", 90, 64, 64, 4, 1),
+    )}
+
+
+def _spark_with(catalogue, monkeypatch):
+    from sparktune.backends import spark
+
+    b = spark.SparkBackend()
+    b._kernels = catalogue
+    monkeypatch.setattr(b, "unavailable_reasons", lambda: [])
+    return b
+
+
+def test_spark_bwd_sm90_default_and_deterministic(monkeypatch):
+    from sparktune.problem import DeviceInfo, Problem
+
+    b = _spark_with(_bwd_catalogue(), monkeypatch)
+    hopper, ampere = DeviceInfo("h200", (9, 0), 132), DeviceInfo("a100", (8, 0), 108)
+    p = Problem("bwd", "float16", 1, 2, 2, 4096, 4096, 128, True)
+    # sm_90: the Hopper backward's default for head dim 128 (stages 2 before 3)
+    assert b.default_config(p, hopper) == "bwd_sm90_f16_d128_m64n128_s2"
+    # elsewhere family 90 is refused and the sm80 default stays
+    assert b.default_config(p, ampere) == "bwd_sm80_f16_d128_m64n128_w2x4_acc32"
+    det = p.replace(deterministic=True)
+    assert b.feature_reasons(det) == []
+    sm80 = b._catalogue()["bwd_sm80_f16_d128_m64n128_w2x4_acc32"]
+    reasons = b._config_reasons(det, sm80, hopper)
+    assert len(reasons) == 1 and "not bitwise reproducible" in reasons[0]
+    assert b._config_reasons(det, b._catalogue()["bwd_sm90_f16_d128_m64n128_s2"], hopper) == []
+    assert b.default_config(det, hopper) == "bwd_sm90_f16_d128_m64n128_s2"
+    assert b.default_config(det, ampere) is None  # no deterministic backward there

@@ -32,7 +32,8 @@ def test_every_default_is_declared_once_per_dtype():
         got = {e.dtype for e in defaults if isinstance(e, ks.BwdEntry) and e.family == fam and e.head_dim == hd}
         assert got, (fam, hd)
     for (op, hd) in ks.SM90_DEFAULTS:
-        got = {e.dtype for e in defaults if isinstance(e, ks.Fwd90Entry) and e.head_dim == hd}
+        kind = ks.Fwd90Entry if op == "fwd" else ks.Bwd90Entry
+        got = {e.dtype for e in defaults if isinstance(e, kind) and e.head_dim == hd}
         assert got == {"f16", "bf16"}, (op, hd, got)
 
 

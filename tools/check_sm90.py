@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Compile Hopper (sm90) forward kernels for sm_90a without a GPU and judge the result.
+"""Compile Hopper (sm90) forward and backward kernels for sm_90a without a GPU and judge the result.
 
-For every selected ``fwd_sm90_*`` configuration of the declared space that the C++ rules accept
-(default: one, ``DEFAULT``), this check generates its ``.cu`` (csrc/gen_kernels.py), compiles
+For every selected ``fwd_sm90_*`` or ``bwd_sm90_*`` configuration of the declared space that the
+C++ rules accept (default: one of each, ``DEFAULT``), this check generates its ``.cu`` (csrc/gen_kernels.py), compiles
 it with the local nvcc to PTX and to an sm_90a object with ``ptxas -v``, and fails a kernel on
 a build error, any spill or stack frame, a PTX without ``wgmma.mma_async`` or without TMA
 loads (``cp.async.bulk.tensor``), or where ptxas serialized the asynchronous wgmma. One line
@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT = "fwd_sm90_f16_d128_m128n128_s2"
+DEFAULT = "fwd_sm90_f16_d128_m128n128_s2,bwd_sm90_f16_d64_m64n128_s2"
 NVCC_FLAGS = ["-std=c++17", "-O3", "--expt-relaxed-constexpr", "--use_fast_math"]
 GENCODE = ["-gencode", "arch=compute_90a,code=sm_90a"]
 
@@ -49,9 +49,16 @@ def cutlass_include() -> Path:
     return inc
 
 
-def parse_ptxas(log: str) -> dict:
-    """Registers, spill bytes and stack frame of the kernel entry in a ``ptxas -v`` log."""
+def parse_ptxas(log: str, entry: str | None = None) -> dict:
+    """Registers, spill bytes and stack frame of the kernel entry in a ``ptxas -v`` log: the
+    first entry whose mangled name contains ``entry`` (a backward unit also holds the
+    preprocess and dQ conversion kernels), else the first of the log."""
     out = {"registers": None, "spill_stores": None, "spill_loads": None, "stack_frame": None}
+    if entry is not None:
+        parts = re.split(r"(?=ptxas info\s*: Compiling entry function )", log)
+        mine = [part for part in parts if part.startswith("ptxas info") and entry in part.split("\n")[0]]
+        if mine:
+            log = mine[0]
     m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
     if m:
         out["stack_frame"], out["spill_stores"], out["spill_loads"] = map(int, m.groups())
@@ -79,7 +86,7 @@ def check_kernel(name: str, gen: Path, nvcc: Path, includes: list[Path]) -> tupl
         return False, f"{name}: FAIL: sm_90a build error\n{res.stderr[-3000:]}"
     # the kernel entry's report (the register function of the .cu has no device code)
     log = res.stdout + res.stderr
-    st = parse_ptxas(log)
+    st = parse_ptxas(log, "sm90_bwd_kernel" if name.startswith("bwd_") else "sm90_fwd_kernel")
     reasons = []
     if (st["spill_stores"] or 0) + (st["spill_loads"] or 0):
         reasons.append(f"spills {st['spill_stores']} B stores / {st['spill_loads']} B loads")
@@ -122,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
            "--filter", args.filter, "--families", "90"]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     rows = [r.split("\t") for r in (gen / "space.tsv").read_text().splitlines() if r.strip()]
-    names = [r[0] for r in rows if r[1] == "1" and fnmatch.fnmatchcase(r[0], "fwd_sm90_*")]
+    names = [r[0] for r in rows
+             if r[1] == "1" and any(fnmatch.fnmatchcase(r[0], f"{op}_sm90_*") for op in ("fwd", "bwd"))]
     if not names:
         print(f"check_sm90: no valid sm90 kernel matches {args.filter!r}", file=sys.stderr)
         return 1

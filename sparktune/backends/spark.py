@@ -52,7 +52,9 @@ def _tma_refuses(config: str, strides: Sequence[Sequence[int]]) -> bool:
     """The sm90 kernels read through TMA descriptors, whose batch, head and row strides must be
     positive (a broadcast view with a zero stride is refused); the 16-byte rule is
     :func:`_rows_misaligned`'s."""
-    return config.startswith("fwd_sm90_") and any(x <= 0 for st in strides for x in st[:3])
+    return config.startswith(("fwd_sm90_", "bwd_sm90_")) and any(
+        x <= 0 for st in strides for x in st[:3]
+    )
 
 
 def _device_index_for(device: DeviceInfo) -> int | None:
@@ -62,8 +64,9 @@ def _device_index_for(device: DeviceInfo) -> int | None:
 
 class SparkBackend(Backend):
     name = "spark"
-    #: the CUDA families take no attention feature yet (docs/FEATURES.md)
-    features = frozenset()
+    #: docs/FEATURES.md: only "deterministic" (a backward problem's: the backward of family 90
+    #: adds dQ in a fixed order when asked; the other families' backward kernels are refused)
+    features = frozenset({"deterministic"})
 
     # Heuristic defaults per (family, head_dim): (block_m, block_n, warps_m, warps_n). The
     # m16n8k16 entries for hd 64 and 128 are the configs that won most shapes of the 16k-token
@@ -108,6 +111,10 @@ class SparkBackend(Backend):
     _DEFAULTS90 = {
         ("fwd", 64): "m192n128_s2_ov1_pp0",
         ("fwd", 128): "m128n128_s2_ov1_pp0",
+        # the backward: a guess from the register and shared-memory rules, to be measured
+        # (tools/gpu_check_sm90_bwd.py)
+        ("bwd", 64): "m64n128_s2",
+        ("bwd", 128): "m64n128_s2",
     }
 
     def __init__(self) -> None:
@@ -151,6 +158,11 @@ class SparkBackend(Backend):
             reasons.append(f"built for head_dim {k['head_dim']}, not {problem.head_dim}")
         if k["accum"] == 16 and not problem.allow_fp16_accum:
             reasons.append("accumulates in fp16, which the caller did not allow (allow_fp16_accum=False)")
+        if getattr(problem, "deterministic", False) and problem.op == "bwd" and k["family"] != 90:
+            reasons.append(
+                "adds dQ with float atomics in no fixed order: gradients not bitwise reproducible "
+                "(deterministic=True needs a family 90 backward, bwd_sm90_*)"
+            )
         if device is not None:
             archs = k.get("archs") or (self.build_info() or {}).get("archs", [])
             if k["family"] == 90 and device.arch != 90:
@@ -368,11 +380,13 @@ class SparkBackend(Backend):
         config: str,
         causal: bool,
         scale: float,
+        deterministic: bool = False,
     ) -> None:
         """Write the gradients of attention(q, k, v) for ``dout`` into dq, dk, dv (any strides
         with a contiguous last dimension; GQA: dk and dv have k's heads). ``out`` and ``lse`` are
         the forward's. Two fp32 workspaces are allocated per call: the dQ sum (q's size) and
-        D = rowsum(dout * out)."""
+        D = rowsum(dout * out). ``deterministic`` (family 90 only): a third, int32 counters per
+        query row block, makes the key blocks add their dQ parts in a fixed order."""
         import torch
 
         mod, err = load_extension()
@@ -400,6 +414,21 @@ class SparkBackend(Backend):
                              f"{tuple(lse.shape)}")
         if not (scale > 0 and math.isfinite(scale)):
             raise ValueError(f"scale must be a finite positive number, got {scale!r}")
+        if _tma_refuses(config, [t.stride() for _, t in tensors[:5]]):
+            raise ValueError(
+                f"{config} reads q, k, v and dout through TMA descriptors, which need positive "
+                "batch, head and row strides; make the inputs contiguous or use another kernel"
+            )
+        semaphore = None
+        if deterministic:
+            info = self._catalogue().get(config)
+            if info is None or info["family"] != 90:
+                raise ValueError(
+                    f"{config} adds dQ with float atomics in no fixed order: deterministic=True "
+                    "needs a family 90 backward (bwd_sm90_*)"
+                )
+            m_blocks = -(-nq // int(info["block_m"]))
+            semaphore = torch.zeros((b, hq, m_blocks), device=q.device, dtype=torch.int32)
         lse = lse.contiguous()
         dq_accum = torch.empty((b, hq, nq, d), device=q.device, dtype=torch.float32)
         dsum = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
@@ -413,4 +442,5 @@ class SparkBackend(Backend):
                 q.stride()[:3], k.stride()[:3], v.stride()[:3], out.stride()[:3],
                 dout.stride()[:3], dq.stride()[:3], dk.stride()[:3], dv.stride()[:3],
                 float(scale), bool(causal), stream,
+                semaphore.data_ptr() if semaphore is not None else 0,
             )

@@ -17,7 +17,8 @@ in registers; ``psmem``: S and P go through shared memory). Backward names
 always go through shared memory); their warps are the arrangement of the S = Q K^T product.
 Hopper names (``fwd_sm90_f16_d128_m128n128_s2``) have no warp, accumulator or softmax field
 (block_m / 64 consumer warpgroups, fp32 accumulation, P in registers) but the K/V pipeline
-depth ``s``.
+depth ``s``; the Hopper backward (``bwd_sm90_f16_d128_m64n128_s2``) has block_n / 64 consumer
+warpgroups of 64 keys and the depth ``s`` of its Q/dO pipeline.
 """
 
 from __future__ import annotations
@@ -141,6 +142,40 @@ class BwdEntry:
         )
 
 
+@dataclass(frozen=True)
+class Bwd90Entry:
+    """A Hopper backward configuration (wgmma, TMA, a producer warpgroup and block_n / 64
+    consumer warpgroups of 64 keys): ``bwd_sm90_f16_d128_m64n128_s2``; block_m is the query
+    tile of a step, block_n the keys of a thread block, ``s`` the depth of the Q/dO pipeline.
+    Compiled for sm_90a: it runs on sm_90 only. Every configuration has the deterministic mode
+    (a runtime switch: the caller passes the dQ semaphore workspace)."""
+
+    rules_header = "sparktune/sm90_bwd_config.h"
+    launch_header = "sparktune/sm90_bwd_launch.h"
+    register_fn = "register_sm90_bwd"
+    family = 90
+
+    dtype: str
+    head_dim: int
+    block_m: int
+    block_n: int
+    stages: int
+
+    @property
+    def name(self) -> str:
+        return (
+            f"bwd_sm90_{self.dtype}_d{self.head_dim}_m{self.block_m}n{self.block_n}"
+            f"_s{self.stages}"
+        )
+
+    @property
+    def config_type(self) -> str:
+        return (
+            f"Sm90BwdConfig<{DTYPES[self.dtype][1]}, {self.head_dim}, {self.block_m}, "
+            f"{self.block_n}, {self.stages}>"
+        )
+
+
 def _product(family, dtypes, head_dims, tiles, warps, accums, softmaxes):
     for dt, hd, (bm, bn), (wm, wn), acc, sm in itertools.product(
         dtypes, head_dims, tiles, warps, accums, softmaxes
@@ -196,7 +231,7 @@ def _bwd_product(family, dtypes, head_dims, tiles, accums):
         yield BwdEntry(family, dt, hd, bm, bn, wm, wn, acc)
 
 
-def backward_space() -> list[BwdEntry]:
+def backward_space() -> list[BwdEntry | Bwd90Entry]:
     """Every declared backward configuration (valid or not; the C++ rules decide). Kept small:
     each backward kernel takes minutes to compile."""
     entries: list[BwdEntry] = []
@@ -216,12 +251,23 @@ def backward_space() -> list[BwdEntry]:
     # fp32 accumulation only: with fp16 accumulation it needs 263 (it spilled 8 B).
     entries += _bwd_product(70, ["f16"], [32, 64], [(64, 64, 2, 4)], [32, 16])
     entries += _bwd_product(70, ["f16"], [128], [(64, 32, 2, 4)], [32])
+    # Hopper (wgmma + TMA, sm_90a): (head_dim, block_m, block_n, stages). Two consumer
+    # warpgroups of 64 keys (block_n 128) with query tiles of 64; one warpgroup (block_n 64) for
+    # head dim 64. Head dim 64 with query tiles of 128 (registers), head dim 128 with 128
+    # (shared memory) and head dim 256 are declared so that the rules say why they are out.
+    # (Not declared: head dim 128 with one warpgroup, m64n64, which holds dQ's whole 64 x 128
+    # tile in one warpgroup: ptxas serialized its wgmma for lack of registers; head dim 128
+    # with three stages: ptxas -v spilled 12 B, two stages 4 B.)
+    tiles90 = [(64, 64, 128, 2), (64, 128, 128, 2), (64, 64, 64, 2), (128, 64, 128, 2),
+               (128, 128, 128, 2), (256, 64, 128, 2)]
+    entries += [Bwd90Entry(dt, hd, bm, bn, st) for dt in ("f16", "bf16")
+                for hd, bm, bn, st in tiles90]
     names = [e.name for e in entries]
     assert len(names) == len(set(names)), "duplicate configuration names"
     return entries
 
 
-def full_space() -> list[FwdEntry | Fwd90Entry | BwdEntry]:
+def full_space() -> list[FwdEntry | Fwd90Entry | BwdEntry | Bwd90Entry]:
     """The forward and the backward space: what the generator builds."""
     entries = [*forward_space(), *backward_space()]
     names = [e.name for e in entries]
@@ -283,13 +329,19 @@ BWD_DEFAULTS = {
 SM90_DEFAULTS = {
     ("fwd", 64): "m192n128_s2_ov1_pp0",
     ("fwd", 128): "m128n128_s2_ov1_pp0",
+    # Backward: not measured yet (tools/gpu_check_sm90_bwd.py will say): two consumer
+    # warpgroups of 64 keys, query tiles of 64 (the tiles the register and shared-memory rules
+    # leave for head dim 128; for head dim 64 the one-warpgroup m64n64 is the other choice).
+    ("bwd", 64): "m64n128_s2",
+    ("bwd", 128): "m64n128_s2",
 }
 
 
 def is_default(e) -> bool:
     """Whether ``e`` is the default configuration of its (family, op, dtype, head_dim)."""
-    if isinstance(e, Fwd90Entry):
-        tail = SM90_DEFAULTS.get(("fwd", e.head_dim))
+    if isinstance(e, (Fwd90Entry, Bwd90Entry)):
+        op = "fwd" if isinstance(e, Fwd90Entry) else "bwd"
+        tail = SM90_DEFAULTS.get((op, e.head_dim))
         return tail is not None and e.name.endswith(f"_d{e.head_dim}_{tail}")
     table = BWD_DEFAULTS if isinstance(e, BwdEntry) else FWD_DEFAULTS
     want = table.get((getattr(e, "family", 0), e.head_dim))

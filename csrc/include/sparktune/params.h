@@ -42,6 +42,10 @@ struct BwdParams : FwdParams {
   void* dv = nullptr;
   float* dq_accum = nullptr;  // (batch, heads_q, seqlen_q, head_dim) fp32, contiguous
   float* dsum = nullptr;      // (batch, heads_q, seqlen_q) fp32: D = rowsum(dout * o)
+  // Deterministic dQ (family 90 only; the other families never get one): when set, a zeroed
+  // int32 (batch, heads_q, ceil(seqlen_q / block_m)) counter per query row block makes the key
+  // blocks add their dQ parts in ascending order, so the sum is the same on every run.
+  int* dq_semaphore = nullptr;
 
   int64_t do_batch_stride = 0, do_head_stride = 0, do_row_stride = 0;
   int64_t dq_batch_stride = 0, dq_head_stride = 0, dq_row_stride = 0;

@@ -1,0 +1,109 @@
+// The rules of one Hopper (sm_90a) backward configuration: sizes, shared memory, threads,
+// register split and validity, as compile-time constants read by the space probe of
+// gen_kernels.py and by the kernel (sm90_bwd_kernel.h), so "which tiles fit" is written once.
+//
+// The family: one thread block per (key block of block_n keys, kv head, batch). A producer
+// warpgroup loads K and V once, then Q and dO tiles of block_m query rows through a ring of
+// `stages` slots (TMA), and the log-sum-exp and D rows of the same tile (plain loads by its second
+// warp). block_n / 64 consumer warpgroups own 64 keys each and compute, per query tile, the
+// transposed products S^T = K Q^T and dP^T = V dO^T (so that the 64 x block_m accumulators are
+// indexed by key and P^T, dS^T feed dV += P^T dO and dK += dS^T Q as register operands), then
+// dQ = dS K with dS^T going through shared memory; each warpgroup computes head_dim / W columns
+// of dQ and adds them to the fp32 workspace.
+#pragma once
+
+#include <cutlass/numeric_types.h>
+
+#include <type_traits>
+
+namespace sparktune {
+
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+struct Sm90BwdConfig {
+  using Element = Element_;
+  static constexpr int kFamily = 90;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;  // query rows per step
+  static constexpr int kBlockN = kBlockN_;  // keys per thread block
+  static constexpr int kStages = kStages_;  // depth of the Q / dO ring
+  static constexpr bool kIsHalf = std::is_same_v<Element, cutlass::half_t>;
+  static constexpr bool kAcc32 = true;
+
+  // one consumer warpgroup per 64 keys, plus the producer warpgroup
+  static constexpr int kWarpgroupRows = 64;
+  static constexpr int kConsumerWarpgroups = kBlockN / kWarpgroupRows;
+  static constexpr int kConsumerThreads = kConsumerWarpgroups * 128;
+  static constexpr int kThreads = kConsumerThreads + 128;
+  // the registry's warp arrangement (of S^T = K Q^T): consumer warps along the keys
+  static constexpr int kWarpsM = kConsumerWarpgroups * 4;
+  static constexpr int kWarpsN = 1;
+  // dQ's columns per consumer warpgroup
+  static constexpr int kDqCols = kHeadDim / (kConsumerWarpgroups > 0 ? kConsumerWarpgroups : 1);
+
+  // ---- registers (setmaxnreg moves the producer's registers to the consumers) ----
+  // The block starts with the registers of its launch (ptxas gives every thread the most that
+  // __launch_bounds__(kThreads, 1) allows: 65536 / kThreads rounded down to 8, at most 255);
+  // setmaxnreg only moves registers within that pool, so the producer's kProducerRegs plus the
+  // consumers' share must fit it, or the consumers' setmaxnreg.inc waits forever. Each consumer
+  // thread gets the rest, rounded down to a multiple of 8 and capped at 240.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kLaunchRegsRaw = 65536 / kThreads;
+  static constexpr int kLaunchRegs = (kLaunchRegsRaw > 255 ? 255 : kLaunchRegsRaw) / 8 * 8;
+  static constexpr int kRegPool = kLaunchRegs * kThreads;
+  static constexpr int kConsumerRegsRaw =
+      (kRegPool - 128 * kProducerRegs) / (kConsumerThreads > 0 ? kConsumerThreads : 1);
+  static constexpr int kConsumerRegs = (kConsumerRegsRaw > 240 ? 240 : kConsumerRegsRaw) / 8 * 8;
+  static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= kRegPool || kConsumerThreads == 0,
+                "setmaxnreg would ask for more registers than the block was launched with");
+  // What a consumer thread keeps live at the peak of a step: dK and dV (64 x head_dim fp32 per
+  // warpgroup, held over the whole walk), S^T and dP^T (64 x block_m fp32) and their 16-bit
+  // copies P^T and dS^T (half as many registers); kRegOverhead for addresses, descriptors,
+  // coordinates and loop state. ptxas -v for sm_90a: head dim 64 with block_m 128 (272 by this
+  // count) made ptxas serialize the wgmma for lack of registers; head dim 128 with block_m 64
+  // (240) is at the edge.
+  static constexpr int kRegOverhead = 16;
+  static constexpr int kRegsDkv = 2 * 64 * kHeadDim / 128;
+  static constexpr int kRegsSdP = 2 * 64 * kBlockM / 128;
+  static constexpr int kRegEstimate = kRegsDkv + kRegsSdP + kRegsSdP / 2 + kRegOverhead;
+
+  // ---- shared memory: K, V, the Q and dO slots, two dS^T buffers, the LSE and D slots, barriers
+  static constexpr int kSmemAlign = 1024;
+  static constexpr int kSmemK = kBlockN * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemV = kSmemK;
+  static constexpr int kSmemQStage = kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemQ = kStages * kSmemQStage;
+  static constexpr int kSmemDo = kSmemQ;
+  static constexpr int kSmemDsBuf = kBlockM * kBlockN * int(sizeof(Element));
+  static constexpr int kSmemDs = 2 * kSmemDsBuf;
+  static constexpr int kSmemStats = 2 * kStages * kBlockM * 4;  // LSE (base 2) and D, fp32
+  // barriers: K/V full, and per stage Q/dO full, statistics full, slot empty
+  static constexpr int kSmemBarriers = (1 + 3 * kStages) * 8;
+  static constexpr int kSmemTail = (kSmemStats + kSmemBarriers + 127) / 128 * 128;
+  static constexpr int kSmemBytes =
+      kSmemAlign + kSmemK + kSmemV + kSmemQ + kSmemDo + kSmemDs + kSmemTail;
+  static constexpr int kMaxSmemBytes = 227 * 1024;
+
+  // ---- validity rules, each with the reason reported for an excluded configuration ----
+  static constexpr bool kHeadDimOk = kHeadDim == 64 || kHeadDim == 128;
+  static constexpr bool kBlockNOk = kBlockN % kWarpgroupRows == 0 && kConsumerWarpgroups >= 1 &&
+                                    kConsumerWarpgroups <= 2;
+  // block_m is S^T's N (wgmma N up to 256, a multiple of 16 as the K of dV/dK), dQ's M
+  // (64-row wgmma tiles) and one TMA box
+  static constexpr bool kBlockMOk = kBlockM % 64 == 0 && kBlockM >= 64 && kBlockM <= 128;
+  static constexpr bool kStagesOk = kStages >= 2 && kStages <= 3;
+  static constexpr bool kSmemOk = kSmemBytes <= kMaxSmemBytes;
+  static constexpr bool kRegsOk = kRegEstimate <= kConsumerRegs;
+
+  static constexpr bool kValid =
+      kHeadDimOk && kBlockNOk && kBlockMOk && kStagesOk && kSmemOk && kRegsOk;
+  static constexpr const char* kInvalidReason =
+      !kHeadDimOk  ? "the sm90 backward is built for head dims 64 and 128 (256: dK and dV of a warpgroup, 2 x 64 x 256 fp32, do not fit the registers)"
+      : !kBlockNOk ? "block_n must be 64 or 128 (one or two consumer warpgroups of 64 keys)"
+      : !kBlockMOk ? "block_m must be 64 or 128 (S^T's N, dQ's 64-row wgmma tiles)"
+      : !kStagesOk ? "the Q/dO pipeline has 2 or 3 stages"
+      : !kSmemOk   ? "shared memory exceeds 227 KB per block"
+      : !kRegsOk   ? "register budget: dK, dV, S^T, dP^T, P^T and dS^T of a consumer thread need more registers than setmaxnreg can give it (ptxas would spill or serialize the wgmma)"
+                   : "";
+};
+
+}  // namespace sparktune

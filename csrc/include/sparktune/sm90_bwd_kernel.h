@@ -1,0 +1,401 @@
+// The Hopper backward kernel: one thread block per (key block, kv head, batch).
+//
+// Warpgroup 0 is the producer: it gives its registers away (setmaxnreg); its first thread
+// loads K and V once and then, for every query head of the kv head's group and every query
+// row block that sees the key block, the Q and dO tiles into a ring of `stages` slots (TMA,
+// one "full" transaction barrier per slot); its second warp loads the same rows' log-sum-exp
+// (as base 2, +inf for rows past seqlen_q or with no visible key, so that P is 0 there) and
+// D = rowsum(dO * O) into the slot's statistics (a second "full" barrier, one arrival per
+// lane). A slot is free again when every consumer warp has arrived on its "empty" barrier.
+//
+// Warpgroups 1.. are consumers of 64 keys each. Per query tile, with wgmma:
+//     S^T = K Q^T,  dP^T = V dO^T                      (shared x shared, back to back)
+//     P^T = exp2(S^T * scale_log2 - lse_log2)          (masked: key tail, causal diagonal)
+//     dS^T = P^T * (dP^T - D)
+//     dV += P^T dO,  dK += dS^T Q                       (P^T, dS^T as register operands)
+//     dQ_part = dS K                                    (dS^T through shared memory)
+// dK and dV stay in registers for the whole walk (the GQA group's heads included: summed on
+// chip) and are written once. dQ parts are added into the fp32 workspace with atomics; with a
+// semaphore workspace (deterministic mode) the key blocks of a query row block add in
+// ascending order. dS^T has two shared buffers so that one named barrier per step suffices.
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include <cmath>
+
+#include "bwd_kernel.h"       // bwd_preprocess_kernel, bwd_convert_dq_kernel, add_dq, kLog2e
+#include "fragment.h"
+#include "params.h"
+#include "sm90_bwd_traits.h"
+#include "sm90_fwd_kernel.h"  // sm90::rowcol_view, acc_as_operand_a, wgmma_gemm
+
+namespace sparktune {
+
+using namespace cute;
+
+namespace sm90 {
+
+// Shared memory of one backward block, from a 1024-byte aligned base: K, V, the Q slots, the
+// dO slots, the two dS buffers (each a multiple of 1024 bytes), then the statistics and the
+// barriers.
+template <class Traits>
+struct BwdSharedStorage {
+  using T = typename Traits::Element;
+  static_assert(Traits::kSmemK % 1024 == 0 && Traits::kSmemQStage % 1024 == 0 &&
+                    Traits::kSmemDsBuf % 1024 == 0,
+                "every tile must start on a 1024-byte boundary");
+  static constexpr int kOffV = Traits::kSmemK;
+  static constexpr int kOffQ = kOffV + Traits::kSmemV;
+  static constexpr int kOffDo = kOffQ + Traits::kSmemQ;
+  static constexpr int kOffDs = kOffDo + Traits::kSmemDo;
+  static constexpr int kOffStats = kOffDs + Traits::kSmemDs;
+  static constexpr int kOffBarriers = kOffStats + Traits::kSmemStats;
+  char* base;
+  CUTE_DEVICE T* k() const { return reinterpret_cast<T*>(base); }
+  CUTE_DEVICE T* v() const { return reinterpret_cast<T*>(base + kOffV); }
+  CUTE_DEVICE T* q() const { return reinterpret_cast<T*>(base + kOffQ); }
+  CUTE_DEVICE T* dout() const { return reinterpret_cast<T*>(base + kOffDo); }
+  CUTE_DEVICE T* ds() const { return reinterpret_cast<T*>(base + kOffDs); }
+  // (stages, block_m) each: log-sum-exp in base 2, then D
+  CUTE_DEVICE float* lse() const { return reinterpret_cast<float*>(base + kOffStats); }
+  CUTE_DEVICE float* dsum() const { return lse() + Traits::kStages * Traits::kBlockM; }
+  // barrier order: K/V full, then per stage Q/dO full, statistics full, slot empty
+  CUTE_DEVICE uint64_t* barriers() const { return reinterpret_cast<uint64_t*>(base + kOffBarriers); }
+  CUTE_DEVICE uint64_t* kv_full() const { return barriers(); }
+  CUTE_DEVICE uint64_t* qdo_full() const { return barriers() + 1; }
+  CUTE_DEVICE uint64_t* stats_full() const { return barriers() + 1 + Traits::kStages; }
+  CUTE_DEVICE uint64_t* empty() const { return barriers() + 1 + 2 * Traits::kStages; }
+};
+
+CUTE_DEVICE int load_acquire(const int* ptr) {
+  int v;
+  asm volatile("ld.global.acquire.gpu.b32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+// The query row blocks a key block sees: [m_begin, m_blocks). Causal (bottom-right): key j is
+// seen by rows i >= j - (seqlen_k - seqlen_q).
+struct BwdWalk {
+  int m_begin, m_blocks;
+  CUTE_DEVICE BwdWalk(BwdParams const& p, int n_block, int block_m, int block_n) {
+    m_blocks = (p.seqlen_q + block_m - 1) / block_m;
+    m_begin = 0;
+    if (p.causal) {
+      const int first_row = n_block * block_n - (p.seqlen_k - p.seqlen_q);
+      m_begin = first_row <= 0 ? 0 : first_row / block_m;
+    }
+  }
+  CUTE_DEVICE bool empty() const { return m_begin >= m_blocks; }
+  // steps of the whole walk: every query head of the group times the row blocks
+  CUTE_DEVICE int steps(int group) const { return empty() ? 0 : group * (m_blocks - m_begin); }
+};
+
+// Step t of the walk, worked out from t alone (so that producer and consumers keep one counter
+// alive, not five): the group's head g, the row block m, the pipeline slot and its phase, and
+// the dS buffer.
+template <int kStages>
+struct BwdStep {
+  int g, m, stage, phase, buf;
+  CUTE_DEVICE BwdStep(BwdWalk const& walk, int t) {
+    const int per_head = walk.m_blocks - walk.m_begin;
+    g = t / per_head;
+    m = walk.m_begin + (t - g * per_head);
+    stage = t % kStages;
+    phase = (t / kStages) & 1;
+    buf = t & 1;
+  }
+};
+
+}  // namespace sm90
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    sm90_bwd_kernel(__grid_constant__ const Sm90BwdArgs<Traits> args) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = typename Traits::Element;
+  using Storage = sm90::BwdSharedStorage<Traits>;
+  using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kConsumerThreads = Traits::kConsumerThreads;
+  constexpr int kConsumerWarps = kConsumerThreads / 32;
+  constexpr float kInf = INFINITY;
+  // named barriers of the consumer warpgroups (ids after the reserved ones)
+  constexpr int kBarDsReady = 1;
+  constexpr int kBarDqOrder = 2;
+  static_assert(cosize_v<typename Traits::SmemLayoutKV> * sizeof(T) == Traits::kSmemK &&
+                    cosize_v<typename Traits::SmemLayoutQ> * sizeof(T) == Traits::kSmemQ &&
+                    cosize_v<typename Traits::SmemLayoutDs> * sizeof(T) == Traits::kSmemDs,
+                "the shared-memory rule of sm90_bwd_config.h disagrees with the layouts");
+
+  BwdParams const& p = args.p;
+  extern __shared__ char smem_raw[];
+  const Storage st{reinterpret_cast<char*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + Traits::kSmemAlign - 1) &
+      ~uintptr_t(Traits::kSmemAlign - 1))};
+
+  const int n_block = blockIdx.x;
+  const int kv_head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int key0 = n_block * kBlockN;
+  const int diag = p.seqlen_k - p.seqlen_q;  // causal: row i sees key j iff j <= i + diag
+  const int warpgroup = threadIdx.x / 128;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const sm90::BwdWalk walk(p, n_block, kBlockM, kBlockN);
+
+  auto& kv_full = *reinterpret_cast<FullBarrier*>(st.kv_full());
+  auto qdo_full = reinterpret_cast<FullBarrier*>(st.qdo_full());
+  auto stats_full = reinterpret_cast<Barrier*>(st.stats_full());
+  auto empty = reinterpret_cast<Barrier*>(st.empty());
+  if (threadIdx.x == 0) {
+    kv_full.init(1);
+    CUTE_UNROLL
+    for (int s = 0; s < kStages; ++s) {
+      qdo_full[s].init(1);
+      stats_full[s].init(32);
+      empty[s].init(kConsumerWarps);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  Tensor sK = make_tensor(make_smem_ptr(st.k()), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(st.v()), typename Traits::SmemLayoutKV{});
+  Tensor sKt = make_tensor(make_smem_ptr(st.k()), typename Traits::SmemLayoutKt{});
+  Tensor sQ = make_tensor(make_smem_ptr(st.q()), typename Traits::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(st.q()), typename Traits::SmemLayoutQt{});
+  Tensor sDo = make_tensor(make_smem_ptr(st.dout()), typename Traits::SmemLayoutQ{});
+  Tensor sDot = make_tensor(make_smem_ptr(st.dout()), typename Traits::SmemLayoutQt{});
+  Tensor sDs = make_tensor(make_smem_ptr(st.ds()), typename Traits::SmemLayoutDs{});
+  Tensor sDst = make_tensor(make_smem_ptr(st.ds()), typename Traits::SmemLayoutDst{});
+
+  if (warpgroup == 0) {
+    // ================================ producer ================================
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    if (walk.empty()) return;
+    if (warp == 0 && lane == 0) {
+      auto tile_q = Shape<Int<kBlockM>, Int<kHeadDim>>{};
+      auto tile_kv = Shape<Int<kBlockN>, Int<kHeadDim>>{};
+      Tensor mQ = args.tma_q.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
+      Tensor mDo = args.tma_do.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
+      Tensor mK = args.tma_k.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
+      Tensor mV = args.tma_v.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
+      Tensor gK = local_tile(mK(_, _, kv_head, batch), tile_kv, make_coord(n_block, _0{}));
+      Tensor gV = local_tile(mV(_, _, kv_head, batch), tile_kv, make_coord(n_block, _0{}));
+      auto [tKgK, tKsK] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                        group_modes<0, 2>(gK));
+      auto [tVgV, tVsV] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                        group_modes<0, 2>(gV));
+      kv_full.arrive_and_expect_tx(2 * Traits::kTmaBytesKV);
+      cute::copy(args.tma_k.with(reinterpret_cast<uint64_t&>(kv_full)), tKgK, tKsK);
+      cute::copy(args.tma_v.with(reinterpret_cast<uint64_t&>(kv_full)), tVgV, tVsV);
+
+      for (int t = 0; t < walk.steps(p.group); ++t) {
+        const sm90::BwdStep<kStages> at(walk, t);
+        const int head = kv_head * p.group + at.g;
+        Tensor gQ = local_tile(mQ(_, _, head, batch), tile_q, make_coord(at.m, _0{}));
+        Tensor gDo = local_tile(mDo(_, _, head, batch), tile_q, make_coord(at.m, _0{}));
+        Tensor sQs = sQ(_, _, at.stage);
+        Tensor sDos = sDo(_, _, at.stage);
+        auto [tQgQ, tQsQ] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQs),
+                                          group_modes<0, 2>(gQ));
+        auto [tDogDo, tDosDo] = tma_partition(args.tma_do, _0{}, Layout<_1>{},
+                                              group_modes<0, 2>(sDos), group_modes<0, 2>(gDo));
+        empty[at.stage].wait(at.phase ^ 1);
+        qdo_full[at.stage].arrive_and_expect_tx(2 * Traits::kTmaBytesQ);
+        cute::copy(args.tma_q.with(reinterpret_cast<uint64_t&>(qdo_full[at.stage])), tQgQ, tQsQ);
+        cute::copy(args.tma_do.with(reinterpret_cast<uint64_t&>(qdo_full[at.stage])), tDogDo,
+                   tDosDo);
+      }
+    } else if (warp == 1) {
+      // the statistics of the same tiles, in the same order
+      for (int t = 0; t < walk.steps(p.group); ++t) {
+        const sm90::BwdStep<kStages> at(walk, t);
+        const int64_t stat0 =
+            (int64_t(batch) * p.heads_q + kv_head * p.group + at.g) * p.seqlen_q;
+        empty[at.stage].wait(at.phase ^ 1);
+        float* lse_s = st.lse() + at.stage * kBlockM;
+        float* d_s = st.dsum() + at.stage * kBlockM;
+        for (int i = lane; i < kBlockM; i += 32) {
+          const int row = at.m * kBlockM + i;
+          float l = kInf, d = 0.f;
+          if (row < p.seqlen_q) {
+            const float lse = p.lse[stat0 + row];
+            l = lse == -kInf ? kInf : lse * kLog2e;  // a row with no visible key: P = 0
+            d = p.dsum[stat0 + row];
+          }
+          lse_s[i] = l;
+          d_s[i] = d;
+        }
+        stats_full[at.stage].arrive();  // release: the stores above are visible to the waiters
+      }
+    }
+    return;
+  }
+
+  // ================================ consumers ================================
+  cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+  const int ctid = threadIdx.x - 128;
+
+  typename Traits::TiledMmaSdP mma_sdp;
+  typename Traits::TiledMmaDkv mma_dkv;
+  typename Traits::TiledMmaDq mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(ctid);
+  auto thr_dkv = mma_dkv.get_thread_slice(ctid);
+  auto thr_dq = mma_dq.get_thread_slice(ctid);
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);     // (MMA, MMA_M, MMA_K)
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, MMA_N, MMA_K, stages)
+  Tensor tPrV = thr_sdp.partition_fragment_A(sV);
+  Tensor tPrDo = thr_sdp.partition_fragment_B(sDo);
+  Tensor tVrDot = thr_dkv.partition_fragment_B(sDot);  // (MMA, MMA_N, MMA_K, stages)
+  Tensor tKrQt = thr_dkv.partition_fragment_B(sQt);
+  Tensor tQrDs = thr_dq.partition_fragment_A(sDs);    // (MMA, MMA_M, MMA_K, 2)
+  Tensor tQrKt = thr_dq.partition_fragment_B(sKt);
+  Tensor tDSsDst = thr_sdp.partition_C(sDst);          // (MMA, MMA_M, MMA_N, 2)
+
+  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+  // (key, query) of every S^T element this thread holds, and (row, col) of its dQ elements
+  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
+  Tensor c_rc = make_tensor(tScS.data(), sm90::rowcol_view(tScS.layout()));
+  Tensor tQcQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  const bool deterministic = p.dq_semaphore != nullptr;
+
+  if (!walk.empty()) {
+    kv_full.wait(0);
+    for (int t = 0; t < walk.steps(p.group); ++t) {
+      {
+        const sm90::BwdStep<kStages> at(walk, t);
+        const int stage = at.stage, phase = at.phase, buf = at.buf, m = at.m;
+        const int64_t bh = int64_t(batch) * p.heads_q + kv_head * p.group + at.g;
+        const int row0 = m * kBlockM;
+        // S^T = K Q^T and dP^T = V dO^T, back to back
+        Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+        Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+        qdo_full[stage].wait(phase);
+        sm90::wgmma_gemm<true, false>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
+        sm90::wgmma_gemm<true, false>(mma_sdp, tPrV, tPrDo(_, _, _, stage), acc_dp);
+        stats_full[stage].wait(phase);
+        float const* lse_s = st.lse() + stage * kBlockM;
+        float const* d_s = st.dsum() + stage * kBlockM;
+        warpgroup_wait<1>();  // S^T is done
+        warpgroup_fence_operand(acc_s);
+
+        // P^T = exp2(S^T * scale_log2 - lse_log2), zero where the key is not visible
+        const bool masked =
+            key0 + kBlockN > p.seqlen_k || (p.causal && key0 + kBlockN - 1 > row0 + diag);
+        Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(s_rc); ++r) {
+          const int key = key0 + get<0>(c_rc(r, 0));
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(s_rc); ++c) {
+            const int qi = get<1>(c_rc(r, c));
+            const bool hidden =
+                masked && (key >= p.seqlen_k || (p.causal && key > row0 + qi + diag));
+            s_rc(r, c) = hidden ? 0.f : exp2f(fmaf(s_rc(r, c), p.scale_log2, -lse_s[qi]));
+          }
+        }
+        warpgroup_wait<0>();  // dP^T is done
+        warpgroup_fence_operand(acc_dp);
+        // dS^T = P^T * (dP^T - D)
+        Tensor dp_rc = make_tensor(acc_dp.data(), sm90::rowcol_view(acc_dp.layout()));
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(dp_rc); ++r) {
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(dp_rc); ++c) {
+            const int qi = get<1>(c_rc(r, c));
+            dp_rc(r, c) = s_rc(r, c) * (dp_rc(r, c) - d_s[qi]);
+          }
+        }
+        Tensor rP = convert_fragment<T>(acc_s);
+        Tensor rDs = convert_fragment<T>(acc_dp);
+        // dS^T to shared memory (dQ reads it as dS), before the register operands go in flight
+        cute::copy(rDs, tDSsDst(_, _, _, buf));
+        cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> wgmma reads
+
+        // dV += P^T dO, dK += dS^T Q
+        Tensor tVrP = make_tensor(rP.data(), sm90::acc_as_operand_a(rP.layout()));
+        Tensor tKrDs = make_tensor(rDs.data(), sm90::acc_as_operand_a(rDs.layout()));
+        sm90::wgmma_gemm<false, true>(mma_dkv, tVrP, tVrDot(_, _, _, stage), acc_dv);
+        sm90::wgmma_gemm<false, true>(mma_dkv, tKrDs, tKrQt(_, _, _, stage), acc_dk);
+
+        // dQ part = dS K once every warpgroup's keys of dS^T are in shared memory
+        cutlass::arch::NamedBarrier::sync(kConsumerThreads, kBarDsReady);
+        // dV and dK are done: P^T and dS^T leave the registers before dQ's accumulator comes
+        // (ptxas spilled more with both in flight under dQ)
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dv);
+        warpgroup_fence_operand(acc_dk);
+        if (lane == 0) empty[stage].arrive();  // Q, dO and the statistics of the slot are read
+        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+        sm90::wgmma_gemm<true, false>(mma_dq, tQrDs(_, _, _, buf), tQrKt, acc_dq);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dq);
+
+        float* dq = p.dq_accum + (bh * p.seqlen_q + row0) * kHeadDim;
+        int* sem = deterministic ? p.dq_semaphore + bh * walk.m_blocks + m : nullptr;
+        if (deterministic) {  // wait until key blocks 0 .. n_block - 1 have added theirs
+          if (ctid == 0) {
+            while (sm90::load_acquire(sem) != n_block) __nanosleep(64);
+          }
+          cutlass::arch::NamedBarrier::sync(kConsumerThreads, kBarDqOrder);
+        }
+        add_dq<kHeadDim>(dq, acc_dq, tQcQ, p.seqlen_q - row0);
+        if (deterministic) {
+          __threadfence();
+          cutlass::arch::NamedBarrier::sync(kConsumerThreads, kBarDqOrder);
+          if (ctid == 0) atomicExch(sem, n_block + 1);
+        }
+      }
+    }
+  }
+
+  // ---- epilogue: dK (times the softmax scale) and dV, straight from the accumulators ----
+  Tensor tDcD = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  T* dk_ptr = static_cast<T*>(p.dk) + batch * p.dk_batch_stride + kv_head * p.dk_head_stride;
+  T* dv_ptr = static_cast<T*>(p.dv) + batch * p.dv_batch_stride + kv_head * p.dv_head_stride;
+  const float scale = p.scale;
+  static_assert(decltype(size(acc_dk))::value % 2 == 0, "accumulators hold column pairs");
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dk); i += 2) {
+    const int key = key0 + get<0>(tDcD(i));
+    const int col = get<1>(tDcD(i));
+    // the wgmma accumulator holds neighbouring columns (c, c + 1) of one row in i, i + 1
+    if (get<0>(tDcD(i + 1)) != get<0>(tDcD(i)) || get<1>(tDcD(i + 1)) != col + 1) {
+      CUTE_UNROLL
+      for (int j = i; j < i + 2; ++j) {  // not a pair: one element each
+        const int kj = key0 + get<0>(tDcD(j));
+        if (kj < p.seqlen_k) {
+          dk_ptr[int64_t(kj) * p.dk_row_stride + get<1>(tDcD(j))] = static_cast<T>(acc_dk(j) * scale);
+          dv_ptr[int64_t(kj) * p.dv_row_stride + get<1>(tDcD(j))] = static_cast<T>(acc_dv(j));
+        }
+      }
+      continue;
+    }
+    if (key >= p.seqlen_k) continue;
+    T* k_row = dk_ptr + int64_t(key) * p.dk_row_stride + col;
+    T* v_row = dv_ptr + int64_t(key) * p.dv_row_stride + col;
+    using Pair = cutlass::Array<T, 2>;
+    Pair kp, vp;
+    kp[0] = static_cast<T>(acc_dk(i) * scale);
+    kp[1] = static_cast<T>(acc_dk(i + 1) * scale);
+    vp[0] = static_cast<T>(acc_dv(i));
+    vp[1] = static_cast<T>(acc_dv(i + 1));
+    *reinterpret_cast<Pair*>(k_row) = kp;
+    *reinterpret_cast<Pair*>(v_row) = vp;
+  }
+#else
+  __trap();  // sm_90a only (wgmma, TMA, setmaxnreg)
+#endif
+}
+
+}  // namespace sparktune

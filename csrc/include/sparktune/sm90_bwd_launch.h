@@ -1,0 +1,91 @@
+// Host side of one Hopper backward configuration: the TMA descriptors, the three launches
+// (preprocess, main kernel, dQ conversion) and the registration.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "launch_common.h"
+#include "registry.h"
+#include "sm90_bwd_kernel.h"
+#include "sm90_fwd_launch.h"  // sm90_tma_compatible
+
+namespace sparktune {
+
+template <class Traits>
+cudaError_t launch_sm90_bwd(BwdParams const& p, cudaStream_t stream) {
+  using T = typename Traits::Element;
+  // TMA reads q, k, v (the forward's rule) and dout
+  auto ok_stride = [](int64_t s) {
+    const int64_t bytes = s * int64_t(sizeof(T));
+    return bytes > 0 && bytes % 16 == 0 && bytes < (int64_t(1) << 40);
+  };
+  if (!sm90_tma_compatible<T>(p) || reinterpret_cast<uintptr_t>(p.dout) % 16 != 0 ||
+      !ok_stride(p.do_row_stride) || !ok_stride(p.do_head_stride) ||
+      !ok_stride(p.do_batch_stride)) {
+    return cudaErrorInvalidValue;
+  }
+  constexpr int kSmem = Traits::kSmemBytes;
+  auto kernel = &sm90_bwd_kernel<Traits>;
+  if (cudaError_t err = ensure_smem_limit<&sm90_bwd_kernel<Traits>>(kSmem); err != cudaSuccess) {
+    return err;
+  }
+  auto view = [](const void* ptr, int seqlen, int heads, int batch, int64_t row, int64_t hs,
+                 int64_t bs) {
+    return make_tensor(make_gmem_ptr(static_cast<T const*>(ptr)),
+                       make_layout(make_shape(int32_t(seqlen), int32_t(Traits::kHeadDim),
+                                              int32_t(heads), int32_t(batch)),
+                                   make_stride(row, _1{}, hs, bs)));
+  };
+  using TileQ = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>;
+  using TileKV = Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>;
+  auto smem_q = take<0, 2>(typename Traits::SmemLayoutQ{});
+  Sm90BwdArgs<Traits> args{
+      p,
+      make_tma_copy(SM90_TMA_LOAD{},
+                    view(p.q, p.seqlen_q, p.heads_q, p.batch, p.q_row_stride, p.q_head_stride,
+                         p.q_batch_stride),
+                    smem_q, TileQ{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{},
+                    view(p.dout, p.seqlen_q, p.heads_q, p.batch, p.do_row_stride,
+                         p.do_head_stride, p.do_batch_stride),
+                    smem_q, TileQ{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{},
+                    view(p.k, p.seqlen_k, p.heads_kv, p.batch, p.k_row_stride, p.k_head_stride,
+                         p.k_batch_stride),
+                    typename Traits::SmemLayoutKV{}, TileKV{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{},
+                    view(p.v, p.seqlen_k, p.heads_kv, p.batch, p.v_row_stride, p.v_head_stride,
+                         p.v_batch_stride),
+                    typename Traits::SmemLayoutKV{}, TileKV{}, _1{}),
+  };
+  dim3 row_grid(ceil_div(p.seqlen_q, kRowKernelRows), p.heads_q, p.batch);
+  bwd_preprocess_kernel<T><<<row_grid, kRowKernelThreads, 0, stream>>>(p);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  // key blocks in ascending order along x: in deterministic mode a block waits only for
+  // blocks of lower index (launched before it)
+  dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch);
+  kernel<<<grid, Traits::kThreads, kSmem, stream>>>(args);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  bwd_convert_dq_kernel<T><<<row_grid, kRowKernelThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <class Config>
+void register_sm90_bwd(Registry& registry, const char* name) {
+  if constexpr (Config::kValid) {
+    using Traits = Sm90BwdTraits<Config>;
+    // P^T and dS^T stay in registers for dV and dK; dS^T goes through shared memory for dQ
+    KernelInfo info = describe<Config>(name, "bwd", "smem");
+    info.atom = "wgmma";
+    info.launch_bwd = &launch_sm90_bwd<Traits>;
+    registry.add(std::move(info));
+  } else {
+    registry.exclude(name, Config::kInvalidReason);
+  }
+}
+
+}  // namespace sparktune

@@ -1,0 +1,95 @@
+// The types of one Hopper backward configuration: wgmma tiled MMAs of the five products, GMMA
+// shared-memory layouts (128-byte swizzle) with their transposed views, and the TMA copy types.
+// Only instantiated for a valid configuration (sm90_bwd_config.h).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/copy_atom.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90.hpp>
+
+#include "params.h"
+#include "sm90_bwd_config.h"
+
+namespace sparktune {
+
+using namespace cute;
+
+template <class Config>
+struct Sm90BwdTraits : Config {
+  static_assert(Config::kValid, "Sm90BwdTraits instantiated for an invalid configuration");
+  using Element = typename Config::Element;
+  using Config::kHeadDim, Config::kBlockM, Config::kBlockN, Config::kStages,
+      Config::kConsumerWarpgroups, Config::kDqCols;
+
+  using BlockM = Int<kBlockM>;
+  using BlockN = Int<kBlockN>;
+  using HeadDim = Int<kHeadDim>;
+  using StagesT = Int<kStages>;
+  using DqCols = Int<kDqCols>;
+
+  // ---- compute: the consumer warpgroups stacked along the keys, 64 each ----
+  using AtomAlongKeys = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
+  // S^T = K Q^T and dP^T = V dO^T: (64 keys x block_m) per warpgroup, k = head_dim; both
+  // operands K-major in shared memory (head_dim contiguous)
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, BlockM, HeadDim>>(),
+      AtomAlongKeys{}));
+  // dV += P^T dO and dK += dS^T Q: (64 keys x head_dim) per warpgroup, k = block_m; the A
+  // operand from registers, B = dO or Q read as (head_dim, block_m): MN-major
+  using TiledMmaDkv = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, HeadDim, BlockM>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      AtomAlongKeys{}));
+  // dQ = dS K: (block_m x head_dim), k = block_n; the warpgroups split head_dim. A = dS read
+  // from the stored dS^T (queries contiguous: MN-major), B = K read as (head_dim, block_n)
+  using TiledMmaDq = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, DqCols, BlockN>, GMMA::Major::MN,
+                           GMMA::Major::MN>(),
+      Layout<Shape<_1, Int<kConsumerWarpgroups>, _1>>{}));
+
+  // ---- shared memory ----
+  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;  // 8 rows x 128 bytes
+  using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<BlockN, HeadDim>{}));
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutKV{}, make_ordered_layout(Shape<HeadDim, BlockN>{}, Step<_2, _1>{})));
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<BlockM, HeadDim, StagesT>{}));
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_ordered_layout(Shape<HeadDim, BlockM, StagesT>{}, Step<_2, _1, _3>{})));
+  // dS (block_m x block_n) with the queries contiguous (MN-major atom: 64 x 8), two buffers;
+  // dS^T is the same memory seen as (block_n, block_m), which is how the warpgroups write it
+  using SmemAtomDs = GMMA::Layout_MN_SW128_Atom<Element>;
+  using SmemLayoutDs = decltype(tile_to_shape(SmemAtomDs{}, Shape<BlockM, BlockN, _2>{}));
+  using SmemLayoutDst = decltype(composition(
+      SmemLayoutDs{}, make_ordered_layout(Shape<BlockN, BlockM, _2>{}, Step<_2, _1, _3>{})));
+
+  // ---- TMA: 4-D views (row, head_dim, head, batch) with the caller's strides ----
+  using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using GmemLayout = Layout<GmemShape, GmemStride>;
+  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                          GmemLayout{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
+                                      Shape<BlockM, HeadDim>{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{},
+                                       Shape<BlockN, HeadDim>{}, _1{}));
+
+  static constexpr int kTmaBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kTmaBytesKV = kBlockN * kHeadDim * int(sizeof(Element));
+};
+
+// What the kernel receives: the parameter block and the four TMA descriptors (built on the
+// host per launch), passed as one __grid_constant__ argument.
+template <class Traits>
+struct Sm90BwdArgs {
+  BwdParams p;
+  typename Traits::TmaQ tma_q;
+  typename Traits::TmaQ tma_do;
+  typename Traits::TmaKV tma_k;
+  typename Traits::TmaKV tma_v;
+};
+
+}  // namespace sparktune

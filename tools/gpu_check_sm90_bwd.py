@@ -1,0 +1,370 @@
+#!/usr/bin/env python3
+"""Check every compiled Hopper backward (bwd_sm90_*) kernel on an H100/H200, then time it.
+
+    . tools/device_prep.sh 'bwd_sm90_*,default' \\
+        && python3 tools/gpu_check_sm90_bwd.py --out "$OUT/bwd90.log"
+    python3 tools/gpu_check_sm90_bwd.py --kernels 'bwd_sm90_f16_d128_*' --no-speed
+
+Correctness, one subprocess per kernel (a hang or a crash costs that kernel's --kernel-timeout,
+not the run): odd shapes (seqlen 1, 17, 1000, 4097; seqlen_q != seqlen_k both ways, with rows
+that see no key under the causal mask; GQA 4:1 and MQA; (B,H,N,D), (B,N,H,D) and strided-head
+views), causal and not, in the kernel's dtype and head dim. The forward's output and
+log-sum-exp come from the float64 reference (so only the backward is judged); dq, dk and dv
+are compared with float64 autograd by FlashAttention's rule: the max abs error is at most twice
+PyTorch's own error in the same precision (the larger of plain matmul-softmax-matmul and math
+SDPA autograd) plus 1e-5. Default mode: a second run on the same inputs must pass the same
+bound (float atomics add dQ in any order). Deterministic mode: the same bound, and three runs
+must give bit-identical gradients. The first shape is tiny, so a kernel that hangs shows it at
+once.
+
+Speed (after correctness, within --speed-budget seconds, in its own subprocess): head dims 64
+and 128, causal and not, seqlen 2k/4k/8k/16k at 16k tokens, 12 heads, fp16. TFLOP/s of
+forward + backward (3.5x the forward's FLOPs: 2 GEMMs forward, 5 backward) of torch SDPA's
+cuDNN backend against ours (the sm90 forward kernel of that head dim when one is compiled, else
+the spark forward default, then each bwd_sm90 kernel), timed round-robin; the default
+kernel's deterministic mode as well, with its slowdown.
+
+Everything printed goes to --out as well. Exit status: 1 on any correctness failure (or a
+kernel timeout), 2 when the check cannot run here, 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import math
+import os
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+#: (batch, heads_q, heads_kv, seqlen_q, seqlen_k, layout); the first is tiny on purpose
+SHAPES = (
+    (2, 4, 4, 1, 1, "bhnd"),
+    (2, 4, 4, 17, 17, "bnhd"),
+    (2, 4, 4, 128, 128, "bhnd"),
+    (1, 4, 1, 1000, 1000, "bnhd"),  # MQA
+    (1, 8, 2, 4097, 4097, "bhnd"),  # GQA 4:1
+    (2, 4, 4, 100, 1000, "bhnd"),   # seqlen_q < seqlen_k
+    (2, 4, 4, 1000, 100, "bnhd"),   # seqlen_q > seqlen_k: causal rows with no key
+    (1, 4, 4, 17, 4097, "bnhd"),
+    (1, 4, 4, 4097, 17, "bhnd"),
+    (1, 8, 4, 300, 300, "bhnd_slice"),  # every other head of a packed buffer
+)
+FLOOR = 1e-5
+DET_RUNS = 3
+
+
+class Log:
+    """print() to stdout and to the --out file."""
+
+    def __init__(self, path: str | None):
+        self.fh = open(path, "a") if path else None  # noqa: SIM115
+
+    def __call__(self, line: str = "") -> None:
+        print(line, flush=True)
+        if self.fh is not None:
+            self.fh.write(line + "\n")
+            self.fh.flush()
+
+
+# ---------------------------------------------------------------- worker: one kernel's checks
+def _make(torch, b, h, n, d, layout, dtype, gen):
+    if layout == "bhnd":
+        return torch.randn(b, h, n, d, device="cuda", dtype=dtype, generator=gen)
+    if layout == "bnhd":
+        return torch.randn(b, n, h, d, device="cuda", dtype=dtype, generator=gen).transpose(1, 2)
+    buf = torch.randn(b, n, 2 * h, d, device="cuda", dtype=dtype, generator=gen)
+    return buf[:, :, ::2].transpose(1, 2)
+
+
+def _max_err(a, ref) -> float:
+    return float((a.double() - ref).abs().max()) if a.numel() else 0.0
+
+
+def _run_bwd(torch, spark, name, dout, q, k, v, out, lse, causal, scale, deterministic):
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    kw = {"deterministic": True} if deterministic else {}
+    spark.backward(dout, q, k, v, out, lse, dq, dk, dv, config=name, causal=causal, scale=scale,
+                   **kw)
+    torch.cuda.synchronize()
+    return dq, dk, dv
+
+
+def _judge(grads, refs, bases, what, why: list[str]) -> list[float]:
+    """Errors of (dq, dk, dv); a reason appended to ``why`` for each over its bound."""
+    es = [_max_err(g, r) for g, r in zip(grads, refs, strict=True)]
+    for gname, e, base in zip(("dq", "dk", "dv"), es, bases, strict=True):
+        if not math.isfinite(e) or e > 2 * base + FLOOR:
+            why.append(f"{what} {gname} err {e:.3g} > bound {2 * base + FLOOR:.3g}")
+    return es
+
+
+def worker_check(name: str) -> int:
+    """Print one PASS/FAIL line per (shape, causal) for kernel ``name``; 1 on any failure."""
+    import torch
+
+    from sparktune.backends.reference import reference_attention, reference_attention_backward
+    from sparktune.backends.spark import SparkBackend, load_extension
+    from tests._oracle import lowp_attention
+
+    mod, err = load_extension()
+    if mod is None:
+        print(f"FAIL {name}: {err}", flush=True)
+        return 1
+    info = {k["name"]: k for k in mod.kernels()}[name]
+    dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[info["dtype"]]
+    d = info["head_dim"]
+    spark = SparkBackend()
+    failed = 0
+    for shape in SHAPES:
+        b, hq, hk, nq, nk, layout = shape
+        gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr((shape, d, name)).encode()))
+        q = _make(torch, b, hq, nq, d, layout, dtype, gen)
+        k = _make(torch, b, hk, nk, d, layout, dtype, gen)
+        v = _make(torch, b, hk, nk, d, layout, dtype, gen)
+        dout = _make(torch, b, hq, nq, d, layout, dtype, gen)
+        scale = 1.0 / math.sqrt(d)
+        for causal in (False, True):
+            label = f"{name} b{b} h{hq}/{hk} q{nq} k{nk} {layout} {'causal' if causal else 'full'}"
+            why: list[str] = []
+            errs = [float("nan")] * 3
+            bases = [float("nan")] * 3
+            try:
+                with torch.no_grad():
+                    ref_out, ref_lse = reference_attention(q, k, v, causal=causal, scale=scale)
+                    refs = reference_attention_backward(dout, q, k, v, causal=causal, scale=scale)
+                lowps = []
+                for kind in ("plain", "sdpa"):
+                    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                    with torch.enable_grad():
+                        o, _ = lowp_attention(*leaves, causal=causal, scale=scale, kind=kind)
+                        lowps.append(torch.autograd.grad(o, leaves, dout))
+                bases = [max(_max_err(lp[i], refs[i]) for lp in lowps) for i in range(3)]
+                args = (torch, spark, name, dout, q, k, v, ref_out.to(dtype),
+                        ref_lse.float().contiguous(), causal, scale)
+                errs = _judge(_run_bwd(*args, False), refs, bases, "default", why)
+                _judge(_run_bwd(*args, False), refs, bases, "default repeat", why)
+                det = [_run_bwd(*args, True) for _ in range(DET_RUNS)]
+                _judge(det[0], refs, bases, "deterministic", why)
+                for i in range(1, DET_RUNS):
+                    if not all(torch.equal(a, c) for a, c in zip(det[0], det[i], strict=True)):
+                        why.append(f"deterministic run {i + 1} not bit-identical to run 1")
+                        break
+            except Exception as exc:  # one check fails, the rest run
+                why.append(f"{type(exc).__name__}: {exc}")
+            ok = not why
+            failed += not ok
+            errs_s = " ".join(f"{n}={e:.2e}({bs:.2e})"
+                              for n, e, bs in zip(("dq", "dk", "dv"), errs, bases, strict=True))
+            print(f"{'PASS' if ok else 'FAIL'} {label:<80} {errs_s}"
+                  + ("" if ok else "  " + "; ".join(why)), flush=True)
+    return 1 if failed else 0
+
+
+# ---------------------------------------------------------------- worker: the speed table
+def _time(torch, fn, iters):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters * 1e-3
+
+
+def _cudnn_fwd_bwd(torch, qg, kg, vg, dout, causal):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def run():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+        torch.autograd.backward(o, dout)
+    return run
+
+
+def _ours_fwd_bwd(spark, fwd_name, bwd_name, tensors, causal, scale, deterministic=False):
+    q, k, v, dout, out, dq, dk, dv = tensors
+    kw = {"deterministic": True} if deterministic else {}
+
+    def run():
+        lse = spark.forward(q, k, v, out, config=fwd_name, causal=causal, scale=scale)
+        spark.backward(dout, q, k, v, out, lse, dq, dk, dv, config=bwd_name, causal=causal,
+                       scale=scale, **kw)
+    return run
+
+
+def worker_speed(names: list[str], rounds: int, budget_s: float) -> int:
+    import torch
+
+    from sparktune.backends.spark import SparkBackend, load_extension
+
+    mod, _ = load_extension()
+    infos = {k["name"]: k for k in mod.kernels()}
+    spark = SparkBackend()
+    t_end = time.time() + budget_s
+    print(f"\nspeed: fwd+bwd TFLOP/s (3.5 x forward FLOPs), fp16, 12 heads, 16k tokens; best of "
+          f"{rounds} round-robin rounds of 5 calls")
+    for d in (64, 128):
+        ks = [n for n in names if infos[n]["head_dim"] == d and infos[n]["dtype"] == "float16"]
+        if not ks:
+            continue
+        fwds = sorted(n for n, k in infos.items() if k["op"] == "fwd" and k["head_dim"] == d
+                      and k["dtype"] == "float16" and k["family"] in (80, 90))
+        fwd_tail = spark._DEFAULTS90.get(("fwd", d), "")
+        fwd90 = sorted((n for n in fwds if n.startswith("fwd_sm90_")),
+                       key=lambda n: (not n.endswith("_" + fwd_tail), n))  # the default first
+        fwd_name = (fwd90 or fwds or [None])[0]
+        if fwd_name is None:
+            print(f"hd {d}: no fp16 forward kernel compiled, skipped")
+            continue
+        tail = spark._DEFAULTS90.get(("bwd", d))
+        det_name = next((n for n in ks if tail is not None and n.endswith("_" + tail)), ks[0])
+        print(f"\nhd {d}: our forward {fwd_name}; deterministic timed with {det_name}")
+        print(f"{'causal':>6} {'seqlen':>6} {'cudnn':>7}  ours (x cudnn)")
+        for causal in (False, True):
+            for n in (2048, 4096, 8192, 16384):
+                if time.time() > t_end:
+                    print("(time budget reached: speed table cut short)")
+                    return 0
+                b, h = 16384 // n, 12
+                q, k, v, dout = (torch.randn(b, h, n, d, device="cuda", dtype=torch.float16)
+                                 for _ in range(4))
+                qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+                flops = 3.5 * 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+                scale = d ** -0.5
+                tensors = (q, k, v, dout, torch.empty_like(q), torch.empty_like(q),
+                           torch.empty_like(k), torch.empty_like(v))
+                cands = {}
+                cudnn = _cudnn_fwd_bwd(torch, qg, kg, vg, dout, causal)
+                try:
+                    cudnn()
+                    cands["cudnn"] = cudnn
+                except Exception as exc:  # noqa: BLE001
+                    print(f"  cudnn unavailable: {type(exc).__name__}: {exc}")
+                for name in ks:
+                    cands[name] = _ours_fwd_bwd(spark, fwd_name, name, tensors, causal, scale)
+                cands["det:" + det_name] = _ours_fwd_bwd(spark, fwd_name, det_name, tensors,
+                                                         causal, scale, True)
+                for fn in cands.values():
+                    fn()
+                torch.cuda.synchronize()
+                best = {c: math.inf for c in cands}
+                for _ in range(rounds):
+                    for c, fn in cands.items():
+                        best[c] = min(best[c], _time(torch, fn, 5))
+                tf = {c: flops / t / 1e12 for c, t in best.items()}
+                base = tf.get("cudnn")
+                cells = "  ".join(
+                    f"{c.replace('bwd_sm90_', '')}={tf[c]:.0f}"
+                    + (f" ({tf[c] / base:.2f}x)" if base else "") for c in cands if c != "cudnn")
+                slow = best["det:" + det_name] / best[det_name] - 1.0
+                print(f"{str(causal):>6} {n:>6} {base or float('nan'):>7.0f}  {cells}  "
+                      f"det slowdown {slow * 100:+.0f}%", flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------- parent
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kernels", default="bwd_sm90_*", help="shell patterns, comma-separated")
+    ap.add_argument("--out", help="also write the log here")
+    ap.add_argument("--no-speed", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--speed-budget", type=float, default=120.0, help="seconds for the speed table")
+    ap.add_argument("--kernel-timeout", type=float, default=240.0,
+                    help="seconds for one kernel's correctness checks (its subprocess is killed)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--speed-worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker_check(args.worker)
+
+    log = Log(args.out)
+    try:
+        import torch
+
+        from sparktune.backends.spark import load_extension
+    except ImportError as exc:
+        log(f"gpu_check_sm90_bwd: cannot run: {exc}")
+        return 2
+    mod, err = load_extension()
+    if mod is None:
+        log(f"gpu_check_sm90_bwd: {err}")
+        return 2
+    if not torch.cuda.is_available():
+        log("gpu_check_sm90_bwd: no CUDA GPU")
+        return 2
+    cap = torch.cuda.get_device_capability()
+    infos = {k["name"]: k for k in mod.kernels()}
+    pats = [p.strip() for p in args.kernels.split(",") if p.strip()]
+    names = sorted(n for n, k in infos.items() if k["family"] == 90 and k["op"] == "bwd"
+                   and any(fnmatch.fnmatchcase(n, p) for p in pats))
+    if args.speed_worker:
+        return worker_speed(names, args.rounds, args.speed_budget)
+    log(f"device {torch.cuda.get_device_name()} sm_{cap[0]}{cap[1]}; {len(names)} bwd_sm90 kernels")
+    excluded = [e for e in mod.excluded() if e["name"].startswith("bwd_sm90_")]
+    for e in excluded:
+        log(f"  excluded by the rules: {e['name']}: {e['reason']}")
+    if not names:
+        log("gpu_check_sm90_bwd: no bwd_sm90 kernel compiled (build with SPARKTUNE_CUDA_ARCHS=90)")
+        return 1
+    if cap != (9, 0):
+        log(f"gpu_check_sm90_bwd: sm_90a kernels need an sm_90 GPU, this is sm_{cap[0]}{cap[1]}")
+        return 2
+
+    env = dict(os.environ)
+    me = [sys.executable, str(Path(__file__).resolve())]
+    failures: list[str] = []
+    passed = 0
+    t0 = time.time()
+    for name in names:
+        t1 = time.time()
+        try:
+            res = subprocess.run([*me, "--worker", name], capture_output=True, text=True,
+                                 timeout=args.kernel_timeout, env=env, cwd=ROOT)
+            lines = res.stdout.splitlines()
+            for line in lines:
+                log(line)
+            fails = [ln for ln in lines if ln.startswith("FAIL")]
+            passed += sum(ln.startswith("PASS") for ln in lines)
+            failures += fails
+            if res.returncode != 0 and not fails:
+                failures.append(f"FAIL {name}: worker exited {res.returncode}: {res.stderr[-2000:]}")
+                log(failures[-1])
+            elif res.stderr.strip() and res.returncode != 0:
+                log(res.stderr[-2000:])
+        except subprocess.TimeoutExpired as exc:
+            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            for line in out.splitlines():
+                log(line)
+            failures.append(f"FAIL {name}: timed out after {args.kernel_timeout:.0f} s (hang?)")
+            log(failures[-1])
+        log(f"  ({name}: {time.time() - t1:.0f} s)")
+    log(f"\ncorrectness: {passed} passed, {len(failures)} failed ({time.time() - t0:.0f} s)")
+    for f in failures:
+        log("  " + f)
+    if not args.no_speed:
+        try:
+            res = subprocess.run([*me, "--speed-worker", "--kernels", args.kernels,
+                                  "--rounds", str(args.rounds),
+                                  "--speed-budget", str(args.speed_budget)],
+                                 capture_output=True, text=True, env=env, cwd=ROOT,
+                                 timeout=args.speed_budget + 120)
+            for line in res.stdout.splitlines():
+                log(line)
+            if res.returncode != 0:
+                log(f"speed table failed (exit {res.returncode}): {res.stderr[-2000:]}")
+        except subprocess.TimeoutExpired:
+            log("speed table: timed out")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
