@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..kernels.kernel_space import BWD_DEFAULTS, FWD_DEFAULTS, SM90_DEFAULTS, is_unverified
 from .base import Backend
 
 if TYPE_CHECKING:
@@ -65,57 +66,17 @@ def _device_index_for(device: DeviceInfo) -> int | None:
 class SparkBackend(Backend):
     name = "spark"
     #: docs/FEATURES.md: only "deterministic" (a backward problem's: the backward of family 90
-    #: adds dQ in a fixed order when asked; the other families' backward kernels are refused)
+    #: adds dQ in a fixed order when asked; the other families' backward kernels are refused).
+    #: The family 90 backward is UNVERIFIED (kernel_space.py): it runs only when forced by name.
     features = frozenset({"deterministic"})
 
-    # Heuristic defaults per (family, head_dim): (block_m, block_n, warps_m, warps_n). The
-    # m16n8k16 entries for hd 64 and 128 are the configs that won most shapes of the 16k-token
-    # sweep on an H200 (bench/spark_fwd.py --configs all); the others follow the same register
-    # budget. The Volta entries are a model, not a measurement: the occupancy ranking of the
-    # sm_70 compile report (docs/VOLTA.md) among the kernels that pass tools/check_sm70.py.
-    # The tuner replaces all of them per shape.
-    _DEFAULTS = {
-        (80, 32): (128, 128, 4, 1),
-        (80, 64): (128, 64, 4, 1),
-        (80, 96): (128, 64, 4, 1),
-        (80, 128): (128, 64, 4, 1),
-        (80, 256): (64, 64, 4, 1),
-        (70, 32): (128, 32, 2, 2),
-        (70, 64): (64, 32, 2, 2),
-        (70, 96): (64, 32, 2, 2),
-        (70, 128): (64, 32, 2, 2),
-    }
-
-    # Backward defaults per (family, head_dim): (block_m, block_n, warps_m, warps_n) of the bwd
-    # family. Family 80, head dims 64 and 128: the fastest of the compiled configurations at every
-    # shape of the 16k-token sweep on an H200 (bench/spark_bwd.py --all-bwd); head dim 32 by
-    # register budget (dK and dV stay in registers for a whole key block). The Volta entries are
-    # a model, not a measurement: the eight-warp configurations of the Volta backward space that
-    # fit its register rule and pass tools/check_sm70.py (docs/VOLTA.md). The tuner replaces
-    # them per shape.
-    _BWD_DEFAULTS = {
-        (80, 32): (64, 128, 4, 2),
-        (80, 64): (128, 128, 2, 4),
-        (80, 128): (64, 128, 2, 4),
-        (70, 32): (64, 64, 2, 4),
-        (70, 64): (64, 64, 2, 4),
-        (70, 128): (64, 32, 2, 4),
-    }
-
-    # Hopper forward defaults per head dim: the name's tile and schedule suffix of the sm90
-    # family, the intra-warpgroup overlap kernels with two stages. Head dim 128: 128 x 128
-    # tiles, the fastest or within 2% of it at every seqlen >= 4k of the 16k-token sweep on an
-    # H200; head dim 64: three consumer warpgroups (192 query rows), the fastest sm90 kernel at
-    # every seqlen >= 2k of that sweep (tools/gpu_check_sm90.py, BENCHMARKS.md). The tuner
-    # replaces them per shape.
-    _DEFAULTS90 = {
-        ("fwd", 64): "m192n128_s2_ov1_pp0",
-        ("fwd", 128): "m128n128_s2_ov1_pp0",
-        # the backward: a guess from the register and shared-memory rules, to be measured
-        # (tools/gpu_check_sm90_bwd.py)
-        ("bwd", 64): "m64n128_s2",
-        ("bwd", 128): "m64n128_s2",
-    }
+    # The heuristic defaults (kernel_space.py says what each was measured on): per (family,
+    # head_dim) the (block_m, block_n, warps_m, warps_n) of the forward and of the backward, and
+    # Hopper's name tails per (op, head_dim). A default build compiles exactly these and the
+    # shipped winners; the tuner replaces them per shape.
+    _DEFAULTS = FWD_DEFAULTS
+    _BWD_DEFAULTS = BWD_DEFAULTS
+    _DEFAULTS90 = SM90_DEFAULTS
 
     def __init__(self) -> None:
         self._kernels: dict[str, dict[str, Any]] | None = None
@@ -221,7 +182,7 @@ class SparkBackend(Backend):
     def candidates(self, problem: Problem, device: DeviceInfo | None = None):
         cands = super().candidates(problem, device)
         cat = self._catalogue()
-        return [c for c in cands if not self._emulated(cat[c.config], device)]
+        return [c for c in cands if not self._emulated(cat[c.config], device) and not is_unverified(c.config)]
 
     def default_config(self, problem: Problem, device: DeviceInfo | None = None) -> str | None:
         cands = self.candidates(problem, device)
