@@ -126,7 +126,9 @@ def _format(info: dict[str, Any]) -> str:
         archs = ", ".join(f"sm_{a}" for a in build["archs"]) or "none"
         lines.append(
             f"build:    CUDA {build['cuda_version']}, archs {archs}, build id {build['build_id']}"
-            + (f", kernel filter {build['kernel_filter']!r}" if build.get("kernel_filter") else "")
+            + (f", kernels {build['kernel_filter']!r}" if build.get("kernel_filter")
+               else ", the default kernels (each default and the shipped winners; "
+               "SPARKTUNE_KERNELS=all builds every configuration)")
         )
         lines.append(
             f"kernels:  {build['kernel_count']} compiled, {build['excluded_count']} configs "
