@@ -514,7 +514,7 @@ def sdpa_decode(inp: DecodeInputs, return_lse: bool = False):
 # choosing a path
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _triton_unavailable() -> tuple[str, ...]:
     try:
         import triton  # noqa: F401
@@ -523,7 +523,7 @@ def _triton_unavailable() -> tuple[str, ...]:
     return ()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 

@@ -83,7 +83,7 @@ def _append_kernel(Knew, Vnew, Kc, Vc, Seqlens, Table, BatchIdx,
 
 @triton.jit(do_not_specialize=["n_append", "seqlen_q", "group", "win_left", "win_right",
                                "num_splits", "stride_ab"])
-def _decode_kernel(Q, K, V, Seqlens, Table, BatchIdx, Slopes, O, Lse, Opart, Lpart,
+def _decode_kernel(Q, K, V, Seqlens, Table, BatchIdx, Slopes, Out, Lse, Opart, Lpart,
                    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                    stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh,
                    stride_tb, stride_ab,
@@ -180,14 +180,14 @@ def _decode_kernel(Q, K, V, Seqlens, Table, BatchIdx, Slopes, O, Lse, Opart, Lpa
         tl.store(Opart + part[:, None] * BLOCK_D + ds[None, :], o)
         tl.store(Lpart + part, lse2)
     else:
-        tl.store(O + b * stride_ob + qi[:, None] * stride_on + h[:, None] * stride_oh + ds[None, :],
-                 o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(Out + b * stride_ob + qi[:, None] * stride_on + h[:, None] * stride_oh + ds[None, :],
+                 o.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         tl.store(Lse + (b * heads_kv * group + h) * seqlen_q + qi, lse2 * _LN2,
                  mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "group", "num_splits"])
-def _combine_kernel(Opart, Lpart, O, Lse, stride_ob, stride_on, stride_oh, seqlen_q, group,
+def _combine_kernel(Opart, Lpart, Out, Lse, stride_ob, stride_on, stride_oh, seqlen_q, group,
                     heads_kv, num_splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
     bh = tl.program_id(0)
@@ -213,8 +213,8 @@ def _combine_kernel(Opart, Lpart, O, Lse, stride_ob, stride_on, stride_oh, seqle
     seen = total > 0.0
     o = acc / tl.where(seen, total, 1.0)[:, None]
     lse2 = tl.where(seen, m_safe + tl.math.log2(tl.where(seen, total, 1.0)), float("-inf"))
-    tl.store(O + b * stride_ob + qi[:, None] * stride_on + h[:, None] * stride_oh + ds[None, :],
-             o.to(O.dtype.element_ty), mask=row_ok[:, None] & (ds[None, :] < HEAD_DIM))
+    tl.store(Out + b * stride_ob + qi[:, None] * stride_on + h[:, None] * stride_oh + ds[None, :],
+             o.to(Out.dtype.element_ty), mask=row_ok[:, None] & (ds[None, :] < HEAD_DIM))
     tl.store(Lse + (b * heads_kv * group + h) * seqlen_q + qi, lse2 * _LN2,
              mask=row_ok)
 
@@ -236,7 +236,7 @@ def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << max(0, n - 1).bit_length())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: a few "SMs" so that tests exercise several splits
