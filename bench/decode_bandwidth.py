@@ -125,7 +125,8 @@ def main() -> int:
                               f"{bw['paged'] / bw['sdpa']:.2f}x)")
             if r_paged < 0.9:
                 missed.append(f"b{batch} n{n}: paged {r_paged:.2f}x of contiguous (< 0.90)")
-            del kc, vc, kp, vp, qt, kt, vt, ref, sdpa, ours, paged
+            # drop this shape's tensors (the closures hold them too) before the next one
+            kc = vc = kp = vp = qt = kt = vt = ref = sdpa = ours = paged = None
     out("targets: " + ("all met" if not missed else "MISSED"))
     for m in missed:
         out("  " + m)
