@@ -108,6 +108,8 @@ CASES = {
     "full_window_right": dict(nq=3, causal=False, window=(6, 1), seqlens=(20, 1, 44)),
     "hd64": dict(d=64, hq=2, hkv=1, page_size=16, seqlens=(12, 0, 40)),
     "empty": dict(seqlens=(0, 0, 0)),
+    "page32_window_tiles_in_one_page": dict(page_size=32, capacity=64, window=(5, -1), nq=2,
+                                            appends=2, seqlens=(40, 0, 50)),
 }
 
 

@@ -45,6 +45,9 @@ def cases(dtype):
                     capacity=1024, appends=nq, page_size=paged, share_pages=False), False))
     out.append(("page64", dict(batch=3, nq=1, hq=8, hkv=2, d=128, seqlens=(300, 200, 5),
                                capacity=512, page_size=64, appends=1), False))
+    out.append(("page256_window", dict(batch=3, nq=2, hq=8, hkv=2, d=128, seqlens=(700, 0, 1000),
+                                       capacity=1024, page_size=256, appends=2,
+                                       window=(300, -1)), False))
     out.append(("shared_pages", dict(batch=3, nq=1, hq=8, hkv=2, d=128, seqlens=(300, 200, 5),
                                      capacity=512, page_size=64, share_pages=True), False))
     out.append(("batch_idx", dict(batch=3, nq=1, hq=8, hkv=2, d=128, seqlens=(300, 200, 5),
@@ -128,7 +131,7 @@ def main() -> int:
     log(f"device {torch.cuda.get_device_name(dev)}; torch {torch.__version__}")
     plain = [space.default_decode_config(128), "tdec_n32_w4s2_p1", "tdec_n64_w4s2_p7",
              "tdec_n128_w8s3_p33", "tdec_n64_w4s2_x1", "tdec_n128_w8s3_x4", "tdec_n128_w4s3_x2",
-             "tdec_n64_w8s2_x4"]
+             "tdec_n64_w8s2_x4", "tdec_n128_w4s3_x8"]
     if args.configs:
         plain = args.configs.split(",")
     if args.all:

@@ -40,6 +40,8 @@ from .triton_decode_space import (
 __all__ = ["decode", "not_supported_reasons", "INTERPRET", "splits_for"]
 
 _DTYPES = ("float16", "bfloat16")
+#: head-dim columns per program of the combine kernel (more programs for small batches)
+_COMBINE_DC = 32
 
 
 @triton.jit
@@ -112,7 +114,9 @@ def _decode_kernel(Q, K, V, Seqlens, Table, BatchIdx, Slopes, Out, Lse, Opart, L
 
     lo = 0
     if WINDOW_L:
-        lo = tl.maximum(L - seqlen_q - win_left, 0)
+        # the window's first key, rounded down to a whole tile (the mask hides the keys before
+        # it), so that every tile starts at a multiple of BLOCK_N
+        lo = (tl.maximum(L - seqlen_q - win_left, 0) // BLOCK_N) * BLOCK_N
     hi = L
     span = tl.maximum(hi - lo, 0)
     chunk = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
@@ -135,7 +139,15 @@ def _decode_kernel(Q, K, V, Seqlens, Table, BatchIdx, Slopes, Out, Lse, Opart, L
     for start_n in range(start, end, BLOCK_N):
         kj = start_n + tl.arange(0, BLOCK_N)
         k_ok = kj < end
-        if PAGE_SIZE > 0:
+        if PAGE_SIZE >= BLOCK_N and PAGE_SIZE % BLOCK_N == 0:
+            # a tile lies in one page: one table read per tile, contiguous rows within it
+            blk = start_n // PAGE_SIZE
+            page = tl.load(Table + b * stride_tb + tl.minimum(blk, max_blocks - 1))
+            page = tl.minimum(tl.maximum(page, 0), cache_rows - 1).to(tl.int64)
+            slot = kj - blk * PAGE_SIZE
+            k_off = page * stride_kb + slot * stride_kn
+            v_off = page * stride_vb + slot * stride_vn
+        elif PAGE_SIZE > 0:
             blk = kj // PAGE_SIZE
             page = tl.load(Table + b * stride_tb + blk, mask=k_ok & (blk < max_blocks), other=0)
             page = tl.minimum(tl.maximum(page, 0), cache_rows - 1).to(tl.int64)
@@ -177,8 +189,8 @@ def _decode_kernel(Q, K, V, Seqlens, Table, BatchIdx, Slopes, Out, Lse, Opart, L
     lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
     if SPLIT:
         part = (bh * num_splits + split) * BLOCK_M + rows
-        tl.store(Opart + part[:, None] * BLOCK_D + ds[None, :], o)
-        tl.store(Lpart + part, lse2)
+        tl.store(Opart + part[:, None] * BLOCK_D + ds[None, :], o, mask=row_ok[:, None])
+        tl.store(Lpart + part, lse2, mask=row_ok)
     else:
         tl.store(Out + b * stride_ob + qi[:, None] * stride_on + h[:, None] * stride_oh + ds[None, :],
                  o.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -189,8 +201,11 @@ def _decode_kernel(Q, K, V, Seqlens, Table, BatchIdx, Slopes, Out, Lse, Opart, L
 @triton.jit(do_not_specialize=["seqlen_q", "group", "num_splits"])
 def _combine_kernel(Opart, Lpart, Out, Lse, stride_ob, stride_on, stride_oh, seqlen_q, group,
                     heads_kv, num_splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr):
+    """Grid (batch * heads_kv, BLOCK_D // BLOCK_DC): each program merges one chunk of the head
+    dim (the weights are recomputed per chunk; the first chunk writes the lse)."""
     bh = tl.program_id(0)
+    dc = tl.program_id(1)
     b = bh // heads_kv
     hk = bh % heads_kv
     rows = tl.arange(0, BLOCK_M)
@@ -200,23 +215,24 @@ def _combine_kernel(Opart, Lpart, Out, Lse, stride_ob, stride_on, stride_oh, seq
     ss = tl.arange(0, BLOCK_S)
     base = bh * num_splits
     ls = tl.load(Lpart + (base + ss[:, None]) * BLOCK_M + rows[None, :],
-                 mask=(ss[:, None] < num_splits), other=float("-inf"))
+                 mask=(ss[:, None] < num_splits) & row_ok[None, :], other=float("-inf"))
     m = tl.max(ls, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(tl.math.exp2(ls - m_safe[None, :]), 0)
-    ds = tl.arange(0, BLOCK_D)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    ds = dc * BLOCK_DC + tl.arange(0, BLOCK_DC)
+    acc = tl.zeros([BLOCK_M, BLOCK_DC], dtype=tl.float32)
     for s in range(0, num_splits):
         part = (base + s) * BLOCK_M + rows
-        w = tl.math.exp2(tl.load(Lpart + part) - m_safe)
-        acc += w[:, None] * tl.load(Opart + part[:, None] * BLOCK_D + ds[None, :])
+        w = tl.math.exp2(tl.load(Lpart + part, mask=row_ok, other=float("-inf")) - m_safe)
+        acc += w[:, None] * tl.load(Opart + part[:, None] * BLOCK_D + ds[None, :],
+                                    mask=row_ok[:, None], other=0.0)
     seen = total > 0.0
     o = acc / tl.where(seen, total, 1.0)[:, None]
-    lse2 = tl.where(seen, m_safe + tl.math.log2(tl.where(seen, total, 1.0)), float("-inf"))
     tl.store(Out + b * stride_ob + qi[:, None] * stride_on + h[:, None] * stride_oh + ds[None, :],
              o.to(Out.dtype.element_ty), mask=row_ok[:, None] & (ds[None, :] < HEAD_DIM))
-    tl.store(Lse + (b * heads_kv * group + h) * seqlen_q + qi, lse2 * _LN2,
-             mask=row_ok)
+    if dc == 0:
+        lse2 = tl.where(seen, m_safe + tl.math.log2(tl.where(seen, total, 1.0)), float("-inf"))
+        tl.store(Lse + (b * heads_kv * group + h) * seqlen_q + qi, lse2 * _LN2, mask=row_ok)
 
 
 def not_supported_reasons(key) -> list[str]:
@@ -312,10 +328,11 @@ def decode(inp, *, config: str | None = None, return_lse: bool = False):
         num_warps=cfg.warps, num_stages=cfg.stages,
     )
     if splits > 1:
-        _combine_kernel[(batch * hkv,)](
+        block_dc = min(block_d, _COMBINE_DC)
+        _combine_kernel[(batch * hkv, block_d // block_dc)](
             opart, lpart, out, lse, out.stride(0), out.stride(1), out.stride(2), nq, group, hkv,
             splits, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_S=_pow2(splits, 2),
-            num_warps=4,
+            BLOCK_DC=block_dc, num_warps=4,
         )
     return (out, lse) if return_lse else out
 

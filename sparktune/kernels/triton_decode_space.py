@@ -84,7 +84,7 @@ DECODE_SPACE: tuple[str, ...] = tuple(
 #: a shorter list the bandwidth bench sweeps per shape
 BENCH_SPACE: tuple[str, ...] = tuple(
     DecodeConfig(bn, w, s, x).name
-    for bn, w, s, x in itertools.product((64, 128), (4, 8), (2, 3), (1, 2, 4))
+    for bn, w, s, x in itertools.product((64, 128), (4, 8), (2, 3), (1, 2, 4, 8))
 )
 
 
