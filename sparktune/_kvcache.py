@@ -562,6 +562,8 @@ def decode_reasons(backend: str, key: DecodeKey, device: torch.device,
 _chosen: dict[tuple[DecodeKey, str], tuple[str, str | None]] = {}
 #: (key, device, need_lse) -> (backend, config), the memo of resolved defaults
 _memo: dict[tuple[DecodeKey, str, bool], tuple[str, str | None]] = {}
+#: (key, device, need_lse, backend) of forced backends found able to run the key
+_forced_ok: set[tuple[DecodeKey, str, bool, str]] = set()
 
 
 def set_decode_choice(key: DecodeKey, device: torch.device | str, backend: str,
@@ -580,11 +582,15 @@ def select_decode(key: DecodeKey, device: torch.device, need_lse: bool = False,
     :data:`DECODE_BACKENDS` that can run it (Triton with its default rule on sm_80+, SDPA on
     other GPUs, the reference on CPU). A dict lookup after the first call of a key."""
     if backend is not None:
-        reasons = decode_reasons(backend, key, device, need_lse)
-        if reasons:
-            from .dispatch._resolve import NoKernelError
+        forced_key = (key, str(device), need_lse, backend)
+        if forced_key not in _forced_ok:
+            reasons = decode_reasons(backend, key, device, need_lse)
+            if reasons:
+                from .dispatch._resolve import NoKernelError
 
-            raise NoKernelError(f"backend {backend!r} cannot run {key.key()}: " + "; ".join(reasons))
+                raise NoKernelError(f"backend {backend!r} cannot run {key.key()}: "
+                                    + "; ".join(reasons))
+            _forced_ok.add(forced_key)
         return backend, config
     memo_key = (key, str(device), need_lse)
     hit = _memo.get(memo_key)
