@@ -13,7 +13,8 @@ Three kernels:
   program past the end writes an empty partial. Paged caches: each key's page is read from
   the block table per tile (clamped into the cache). With one split the program writes the
   output directly; otherwise it writes a float32 partial output and its base-2 log-sum-exp.
-- ``_combine_kernel`` merges the partials of one (sequence, kv head): weights
+- ``_combine_kernel`` merges the partials of one query row (a chunk of its head dim per
+  program, all splits loaded at once): weights
   ``2^(lse_s - max)``, output ``sum w_s o_s / sum w_s``, lse ``max + log2(sum w)``.
 
 Scores are base 2 as in :mod:`triton_attn` (``qk_scale = scale * log2 e``); softcap and ALiBi
@@ -41,7 +42,7 @@ __all__ = ["decode", "not_supported_reasons", "INTERPRET", "splits_for"]
 
 _DTYPES = ("float16", "bfloat16")
 #: head-dim columns per program of the combine kernel (more programs for small batches)
-_COMBINE_DC = 32
+_COMBINE_DC = 64
 
 
 @triton.jit
@@ -202,37 +203,32 @@ def _decode_kernel(Q, K, V, Seqlens, Table, BatchIdx, Slopes, Out, Lse, Opart, L
 def _combine_kernel(Opart, Lpart, Out, Lse, stride_ob, stride_on, stride_oh, seqlen_q, group,
                     heads_kv, num_splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr):
-    """Grid (batch * heads_kv, BLOCK_D // BLOCK_DC): each program merges one chunk of the head
-    dim (the weights are recomputed per chunk; the first chunk writes the lse)."""
+    """Grid (batch * heads_kv, group * Nq, BLOCK_D // BLOCK_DC): one program merges one query
+    row's chunk of the head dim over all splits at once (the first chunk writes the lse)."""
     bh = tl.program_id(0)
-    dc = tl.program_id(1)
+    r = tl.program_id(1)
+    dc = tl.program_id(2)
     b = bh // heads_kv
     hk = bh % heads_kv
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < group * seqlen_q
-    qi = rows % seqlen_q
-    h = hk * group + rows // seqlen_q
+    qi = r % seqlen_q
+    h = hk * group + r // seqlen_q
     ss = tl.arange(0, BLOCK_S)
-    base = bh * num_splits
-    ls = tl.load(Lpart + (base + ss[:, None]) * BLOCK_M + rows[None, :],
-                 mask=(ss[:, None] < num_splits) & row_ok[None, :], other=float("-inf"))
+    s_ok = ss < num_splits
+    part = (bh * num_splits + ss) * BLOCK_M + r
+    ls = tl.load(Lpart + part, mask=s_ok, other=float("-inf"))
     m = tl.max(ls, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.math.exp2(ls - m_safe[None, :]), 0)
+    w = tl.math.exp2(ls - m_safe)
+    total = tl.sum(w, 0)
     ds = dc * BLOCK_DC + tl.arange(0, BLOCK_DC)
-    acc = tl.zeros([BLOCK_M, BLOCK_DC], dtype=tl.float32)
-    for s in range(0, num_splits):
-        part = (base + s) * BLOCK_M + rows
-        w = tl.math.exp2(tl.load(Lpart + part, mask=row_ok, other=float("-inf")) - m_safe)
-        acc += w[:, None] * tl.load(Opart + part[:, None] * BLOCK_D + ds[None, :],
-                                    mask=row_ok[:, None], other=0.0)
+    o = tl.load(Opart + part[:, None] * BLOCK_D + ds[None, :], mask=s_ok[:, None], other=0.0)
     seen = total > 0.0
-    o = acc / tl.where(seen, total, 1.0)[:, None]
-    tl.store(Out + b * stride_ob + qi[:, None] * stride_on + h[:, None] * stride_oh + ds[None, :],
-             o.to(Out.dtype.element_ty), mask=row_ok[:, None] & (ds[None, :] < HEAD_DIM))
+    o = tl.sum(w[:, None] * o, 0) / tl.where(seen, total, 1.0)
+    tl.store(Out + b * stride_ob + qi * stride_on + h * stride_oh + ds, o.to(Out.dtype.element_ty),
+             mask=ds < HEAD_DIM)
     if dc == 0:
         lse2 = tl.where(seen, m_safe + tl.math.log2(tl.where(seen, total, 1.0)), float("-inf"))
-        tl.store(Lse + (b * heads_kv * group + h) * seqlen_q + qi, lse2 * _LN2, mask=row_ok)
+        tl.store(Lse + (b * heads_kv * group + h) * seqlen_q + qi, lse2 * _LN2)
 
 
 def not_supported_reasons(key) -> list[str]:
@@ -329,7 +325,7 @@ def decode(inp, *, config: str | None = None, return_lse: bool = False):
     )
     if splits > 1:
         block_dc = min(block_d, _COMBINE_DC)
-        _combine_kernel[(batch * hkv, block_d // block_dc)](
+        _combine_kernel[(batch * hkv, group * nq, block_d // block_dc)](
             opart, lpart, out, lse, out.stride(0), out.stride(1), out.stride(2), nq, group, hkv,
             splits, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_S=_pow2(splits, 2),
             BLOCK_DC=block_dc, num_warps=4,
