@@ -465,7 +465,7 @@ def sdpa_decode(inp: DecodeInputs, return_lse: bool = False):
     batch, nq, hq, d = q.shape
     hkv = inp.k_cache.shape[2]
     lengths = _host_lengths(inp)
-    out = torch.zeros_like(q)
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
 
     def mask_for(length: int):
         if not inp.causal and inp.window == (-1, -1) and inp.alibi_slopes is None:

@@ -292,7 +292,7 @@ def decode(inp, *, config: str | None = None, return_lse: bool = False):
             PAGE_SIZE=inp.page_size, BATCH_IDX=bidx is not None, HEAD_DIM=d,
             BLOCK_H=_pow2(hkv, 1), BLOCK_D=block_d, num_warps=1,
         )
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=dev)
     lse = torch.empty(batch, hq, nq, dtype=torch.float32, device=dev)
     splits = splits_for(cfg, key, dev, inp.capacity)
     block_m = _pow2(group * nq)
