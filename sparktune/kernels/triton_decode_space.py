@@ -90,8 +90,8 @@ BENCH_SPACE: tuple[str, ...] = tuple(
 
 def default_decode_config(head_dim: int) -> str:
     """The config used before any tuning: 64-key tiles, 4 warps, 2 stages, split multiplier 4,
-    the best of ``BENCH_SPACE`` at batch 1 on an H200 (bf16, hd 128, GQA 32:8) and within a few
-    percent of the best at batch 8 and 64 (bench/decode_bandwidth.py)."""
+    the best of ``BENCH_SPACE`` at batch 1 on an H200 (bf16, hd 128, GQA 32:8,
+    bench/decode_bandwidth.py); batch 8 preferred multiplier 8 and batch 64 multipliers 1-2."""
     del head_dim  # measured at hd 128 only so far
     return DecodeConfig(64, 4, 2, 4).name
 
