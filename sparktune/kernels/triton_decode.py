@@ -156,11 +156,8 @@ def _decode_kernel(Q, K, V, Seqlens, Table, BatchIdx, Slopes, Out, Lse, Opart, L
             k_off = page * stride_kb + slot * stride_kn
             v_off = page * stride_vb + slot * stride_vn
         else:
-            # the tile's start as one 64-bit scalar, the rows within it as small 32-bit offsets
-            # (64-bit vector offsets hide the rows' contiguity from the compiler)
-            tile = tl.cast(start_n, tl.int64)
-            k_off = (row.to(tl.int64) * stride_kb + tile * stride_kn) + (kj - start_n) * stride_kn
-            v_off = (row.to(tl.int64) * stride_vb + tile * stride_vn) + (kj - start_n) * stride_vn
+            k_off = row.to(tl.int64) * stride_kb + kj.to(tl.int64) * stride_kn
+            v_off = row.to(tl.int64) * stride_vb + kj.to(tl.int64) * stride_vn
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + k_off[:, None] + ds[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + v_off[:, None] + ds[None, :], mask=kv_mask, other=0.0)
