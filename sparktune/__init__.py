@@ -12,13 +12,14 @@ __version__ = "0.1.0"
 from typing import TYPE_CHECKING, Any
 
 from . import _ops  # noqa: F401  (registers the sparktune:: custom ops)
+from ._kvcache import attention_with_kvcache
 from .attention import attention, varlen_attention
 from .problem import DeviceInfo, Problem
 
 if TYPE_CHECKING:
     from .dispatch import explain
 
-__all__ = ["attention", "varlen_attention", "explain", "Problem", "DeviceInfo", "__version__"]
+__all__ = ["attention", "varlen_attention", "attention_with_kvcache", "explain", "Problem", "DeviceInfo", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -474,3 +474,49 @@ def test_softcap_runs_on_sparktune_and_a_window_without_a_fast_backend_falls_bac
     mask = ((i[:, None] >= i[None, :]) & (i[None, :] > i[:, None] - 3))[None, None]
     hf.attention_forward(attn, q, k, k, mask, sliding_window=3)
     assert hf.counters() == {"sparktune": 1, "mask": 1}
+
+
+# -- decode steps against a static cache -------------------------------------------------------
+
+
+def _generate(model: Any, ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=6, do_sample=False,
+                              cache_implementation="static", **kwargs)
+
+
+def test_static_cache_decode_steps_run_attention_with_kvcache_and_match_sdpa(monkeypatch):
+    model = build(llama_config(), "sparktune")
+    ids = tokens(batch=2, seq=7)
+    calls = []
+    real = sparktune.attention_with_kvcache
+
+    def spy(q, k_cache, v_cache, *args, **kwargs):
+        calls.append((tuple(q.shape), tuple(k_cache.shape), kwargs["cache_seqlens"].tolist()))
+        return real(q, k_cache, v_cache, *args, **kwargs)
+
+    monkeypatch.setattr(sparktune, "attention_with_kvcache", spy)
+    hf._decode_checked.clear()
+    ours = _generate(model, ids)
+    layers = model.config.num_hidden_layers
+    # 6 new tokens: the prefill makes the first, five decode steps the rest
+    assert hf.counters()["sparktune_decode"] == 5 * layers
+    assert len(calls) == 5 * layers
+    # (B, Nq, Hq, D) queries; the static cache seen as (B, N_max, Hkv, D)
+    assert calls[0][0] == (2, 1, 4, 16) and calls[0][1][0] == 2 and calls[0][1][2:] == (2, 16)
+    assert [c[2] for c in calls[::layers]] == [[n, n] for n in range(8, 13)]
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(ours, _generate(model, ids))
+
+
+def test_left_padded_decode_steps_fall_back_and_match_sdpa():
+    model = build(llama_config(), "sparktune")
+    ids = tokens(batch=2, seq=7)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # sequence 0 is left-padded: its visible keys are not a prefix
+    hf._decode_checked.clear()
+    ours = _generate(model, ids, attention_mask=mask)
+    assert hf.counters().get("sparktune_decode", 0) == 0
+    assert hf.counters().get("mask", 0) > 0
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(ours, _generate(model, ids, attention_mask=mask))

@@ -132,11 +132,12 @@ def reset_counters() -> None:
 
 @torch.compiler.assume_constant_result
 def _note(what: str, detail: str = "") -> bool:
-    """Count one call of kind ``what`` ("sparktune" or a fallback reason) and log a fallback
+    """Count one call of kind ``what`` ("sparktune", "sparktune_decode" (counted besides
+    "sparktune" for decode steps) or a fallback reason) and log a fallback
     reason the first time it is met. Marked constant so that a compiler runs it once while
     tracing (logging cannot be traced) instead of breaking the graph."""
     _counts[what] = _counts.get(what, 0) + 1
-    if what != NAME and what not in _logged:
+    if what not in (NAME, DECODE) and what not in _logged:
         _logged.add(what)
         log.warning(
             "sparktune: attention falls back to transformers' sdpa: %s%s "
@@ -289,6 +290,56 @@ def _is_plain_causal(mask: torch.Tensor, nq: int, nk: int) -> bool | None:
     return answer
 
 
+# ------------------------------------------------------------------------ decode steps
+
+#: the counter of calls that ran as decode steps (:func:`sparktune.attention_with_kvcache`)
+DECODE = "sparktune_decode"
+#: query tokens per decode step at most (plain decoding and speculative verification)
+DECODE_MAX_QUERIES = 16
+#: (mask, version) -> the cache lengths it encodes, or None (not a prefix mask)
+_decode_checked: list[tuple[weakref.ref[torch.Tensor], int, torch.Tensor | None]] = []
+
+
+def _decode_candidate(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, nq: int,
+                      nk: int) -> bool:
+    """A few queries against more keys, eager, inference: the shape of a decode step."""
+    return (
+        nq <= DECODE_MAX_QUERIES
+        and nk > nq
+        and not torch.compiler.is_compiling()
+        and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
+                                              or value.requires_grad))
+    )
+
+
+def _decode_lengths(mask: torch.Tensor, nq: int, nk: int) -> torch.Tensor | None:
+    """The int32 ``(B,)`` cache lengths when the boolean ``(B, 1, Nq, Nk)`` mask is exactly a
+    static cache's decode mask (sequence b's query i sees keys ``j <= i + L_b - Nq``, the rest
+    of the cache being unwritten); else None. Compared once per mask tensor and version (one
+    sync per decode step: the layers share the mask)."""
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or tuple(
+        mask.shape[-2:]
+    ) != (nq, nk):
+        return None
+    inference = torch.is_inference(mask)
+    if not inference:
+        version = mask._version
+        for ref, seen_version, answer in _decode_checked:
+            if ref() is mask and seen_version == version:
+                return answer
+    rows = mask[:, 0]
+    lens = rows[:, -1].sum(-1, dtype=torch.int32)
+    cols = torch.arange(nk, device=mask.device)
+    last = lens[:, None] - nq + torch.arange(nq, device=mask.device)[None, :]  # (B, Nq)
+    expected = cols[None, None, :] <= last[:, :, None]
+    answer = lens if bool((rows == expected).all()) and bool((lens >= nq).all()) else None
+    if not inference:
+        if len(_decode_checked) >= _CHECKED_MAX:
+            del _decode_checked[0]
+        _decode_checked.append((weakref.ref(mask), version, answer))
+    return answer
+
+
 # ------------------------------------------------------------------------ attention function
 
 
@@ -347,7 +398,24 @@ def attention_forward(
     sliding = kwargs.get("sliding_window")
     if problem is None and attention_mask is not None:
         plain = _is_plain_causal(attention_mask, nq, nk)
-        if plain is None:
+        lens = None
+        if plain is False and not softcap and _decode_candidate(query, key, value, nq, nk):
+            lens = _decode_lengths(attention_mask, nq, nk)
+        if lens is not None:
+            # a decode step against a static cache (transformers wrote the new tokens): the
+            # queries see a prefix of each sequence's cache, bottom-right aligned
+            try:
+                out = sparktune.attention_with_kvcache(
+                    query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                    cache_seqlens=lens, causal=True, scale=scaling,
+                )
+            except (TypeError, ValueError) as exc:
+                problem = "rejected", str(exc).splitlines()[0]
+            else:
+                _note(NAME)
+                _note(DECODE)
+                return out.contiguous(), None
+        elif plain is None:
             problem = "mask_unchecked", ""
         elif plain:
             causal = True

@@ -1,0 +1,334 @@
+"""Split-KV decoding in Triton (flash-decoding): a few query tokens against a long KV cache.
+
+Three kernels:
+
+- ``_append_kernel`` writes the new keys and values at ``cache_seqlens`` (contiguous or paged),
+  masked so that a position past the capacity, a page index outside the cache or a cache row
+  outside it is never written (nothing is written for such a token).
+- ``_decode_kernel``: grid ``(splits, batch * heads_kv)``. One program holds every query row of
+  one kv head's GQA group (``group * Nq`` rows, padded to a tile of at least 16) and streams its
+  share of the sequence's visible keys in tiles of ``BLOCK_N``, so each K/V tile is read once
+  for the whole group. The keys ``[lo, L)`` (``L = cache_seqlens[b] + Nnew`` clamped to the
+  capacity, ``lo`` the window's first key) are cut into ``splits`` chunks of whole tiles; a
+  program past the end writes an empty partial. Paged caches: each key's page is read from
+  the block table per tile (clamped into the cache). With one split the program writes the
+  output directly; otherwise it writes a float32 partial output and its base-2 log-sum-exp.
+- ``_combine_kernel`` merges the partials of one query row (a chunk of its head dim per
+  program, all splits loaded at once): weights
+  ``2^(lse_s - max)``, output ``sum w_s o_s / sum w_s``, lse ``max + log2(sum w)``.
+
+Scores are base 2 as in :mod:`triton_attn` (``qk_scale = scale * log2 e``); softcap and ALiBi
+follow docs/FEATURES.md. A row with no visible key gives 0 and lse ``-inf``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_attn import _LN2, _LOG2E, INTERPRET, LOG2E, _tanh
+from .triton_decode_space import (
+    MAX_ROWS,
+    DecodeConfig,
+    default_decode_config,
+    num_splits,
+    parse_decode_config,
+)
+
+__all__ = ["decode", "not_supported_reasons", "INTERPRET", "splits_for"]
+
+_DTYPES = ("float16", "bfloat16")
+#: head-dim columns per program of the combine kernel (more programs for small batches)
+_COMBINE_DC = 64
+
+
+@triton.jit
+def _append_kernel(Knew, Vnew, Kc, Vc, Seqlens, Table, BatchIdx,
+                   stride_nb, stride_nn, stride_nh, stride_wb, stride_wn, stride_wh,
+                   stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_tb,
+                   heads_kv, capacity, cache_rows, max_blocks,
+                   PAGE_SIZE: tl.constexpr, BATCH_IDX: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    t = tl.program_id(1)
+    pos = tl.load(Seqlens + b) + t
+    ok = (pos >= 0) & (pos < capacity)
+    pos = tl.minimum(tl.maximum(pos, 0), capacity - 1)
+    if PAGE_SIZE > 0:
+        blk = pos // PAGE_SIZE
+        page = tl.load(Table + b * stride_tb + blk)
+        ok = ok & (page >= 0) & (page < cache_rows)
+        page = tl.minimum(tl.maximum(page, 0), cache_rows - 1)
+        k_off = page.to(tl.int64) * stride_kb + (pos % PAGE_SIZE) * stride_kn
+        v_off = page.to(tl.int64) * stride_vb + (pos % PAGE_SIZE) * stride_vn
+    else:
+        if BATCH_IDX:
+            row = tl.load(BatchIdx + b)
+            ok = ok & (row >= 0) & (row < cache_rows)
+            row = tl.minimum(tl.maximum(row, 0), cache_rows - 1)
+        else:
+            row = b
+        k_off = row.to(tl.int64) * stride_kb + pos.to(tl.int64) * stride_kn
+        v_off = row.to(tl.int64) * stride_vb + pos.to(tl.int64) * stride_vn
+    hs = tl.arange(0, BLOCK_H)
+    ds = tl.arange(0, BLOCK_D)
+    mask = ok & (hs[:, None] < heads_kv) & (ds[None, :] < HEAD_DIM)
+    kn = tl.load(Knew + b * stride_nb + t * stride_nn + hs[:, None] * stride_nh + ds[None, :],
+                 mask=mask, other=0.0)
+    vn = tl.load(Vnew + b * stride_wb + t * stride_wn + hs[:, None] * stride_wh + ds[None, :],
+                 mask=mask, other=0.0)
+    tl.store(Kc + k_off + hs[:, None] * stride_kh + ds[None, :], kn, mask=mask)
+    tl.store(Vc + v_off + hs[:, None] * stride_vh + ds[None, :], vn, mask=mask)
+
+
+@triton.jit(do_not_specialize=["n_append", "seqlen_q", "group", "win_left", "win_right",
+                               "num_splits", "stride_ab"])
+def _decode_kernel(Q, K, V, Seqlens, Table, BatchIdx, Slopes, Out, Lse, Opart, Lpart,
+                   stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+                   stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh,
+                   stride_tb, stride_ab,
+                   n_append, seqlen_q, group, heads_kv, capacity, cache_rows, max_blocks,
+                   qk_scale, cap_in, cap_out, win_left, win_right, num_splits,
+                   PAGE_SIZE: tl.constexpr, BATCH_IDX: tl.constexpr, CAUSAL: tl.constexpr,
+                   WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, SOFTCAP: tl.constexpr,
+                   ALIBI: tl.constexpr, SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    split = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads_kv
+    hk = bh % heads_kv
+    L = tl.load(Seqlens + b) + n_append
+    L = tl.minimum(tl.maximum(L, 0), capacity)
+
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < group * seqlen_q
+    qi = rows % seqlen_q
+    h = hk * group + rows // seqlen_q
+    ds = tl.arange(0, BLOCK_D)
+    d_ok = ds < HEAD_DIM
+    q = tl.load(Q + b * stride_qb + qi[:, None] * stride_qn + h[:, None] * stride_qh + ds[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    diag = qi + L - seqlen_q
+
+    lo = 0
+    if WINDOW_L:
+        # the window's first key, rounded down to a whole tile (the mask hides the keys before
+        # it), so that every tile starts at a multiple of BLOCK_N
+        lo = (tl.maximum(L - seqlen_q - win_left, 0) // BLOCK_N) * BLOCK_N
+    hi = L
+    span = tl.maximum(hi - lo, 0)
+    chunk = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
+    end = tl.minimum(start + chunk, hi)
+
+    if ALIBI:
+        slope2 = tl.load(Slopes + b * stride_ab + h, mask=row_ok, other=0.0) * _LOG2E
+    if BATCH_IDX:
+        row = tl.load(BatchIdx + b)
+        row = tl.minimum(tl.maximum(row, 0), cache_rows - 1)
+    else:
+        row = b
+    k_base = K + hk * stride_kh
+    v_base = V + hk * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        kj = start_n + tl.arange(0, BLOCK_N)
+        k_ok = kj < end
+        if PAGE_SIZE >= BLOCK_N and PAGE_SIZE % BLOCK_N == 0:
+            # a tile lies in one page: one table read per tile, contiguous rows within it
+            blk = start_n // PAGE_SIZE
+            page = tl.load(Table + b * stride_tb + tl.minimum(blk, max_blocks - 1))
+            page = tl.minimum(tl.maximum(page, 0), cache_rows - 1).to(tl.int64)
+            slot = kj - blk * PAGE_SIZE
+            k_off = page * stride_kb + slot * stride_kn
+            v_off = page * stride_vb + slot * stride_vn
+        elif PAGE_SIZE > 0:
+            blk = kj // PAGE_SIZE
+            page = tl.load(Table + b * stride_tb + blk, mask=k_ok & (blk < max_blocks), other=0)
+            page = tl.minimum(tl.maximum(page, 0), cache_rows - 1).to(tl.int64)
+            slot = kj % PAGE_SIZE
+            k_off = page * stride_kb + slot * stride_kn
+            v_off = page * stride_vb + slot * stride_vn
+        else:
+            k_off = row.to(tl.int64) * stride_kb + kj.to(tl.int64) * stride_kn
+            v_off = row.to(tl.int64) * stride_vb + kj.to(tl.int64) * stride_vn
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + k_off[:, None] + ds[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + v_off[:, None] + ds[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k))
+        if SOFTCAP:
+            s = _tanh(qk * cap_in) * cap_out
+        else:
+            s = qk * qk_scale
+        if ALIBI:
+            dist = tl.abs(diag[:, None] - kj[None, :]).to(tl.float32)
+            s = s - slope2[:, None] * dist
+        mask = k_ok[None, :] & row_ok[:, None]
+        if CAUSAL:
+            mask = mask & (kj[None, :] <= diag[:, None])
+        if WINDOW_L:
+            mask = mask & (kj[None, :] >= diag[:, None] - win_left)
+        if WINDOW_R:
+            mask = mask & (kj[None, :] <= diag[:, None] + win_right)
+        s = tl.where(mask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    if SPLIT:
+        part = (bh * num_splits + split) * BLOCK_M + rows
+        tl.store(Opart + part[:, None] * BLOCK_D + ds[None, :], o, mask=row_ok[:, None])
+        tl.store(Lpart + part, lse2, mask=row_ok)
+    else:
+        tl.store(Out + b * stride_ob + qi[:, None] * stride_on + h[:, None] * stride_oh + ds[None, :],
+                 o.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(Lse + (b * heads_kv * group + h) * seqlen_q + qi, lse2 * _LN2,
+                 mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "group", "num_splits"])
+def _combine_kernel(Opart, Lpart, Out, Lse, stride_ob, stride_on, stride_oh, seqlen_q, group,
+                    heads_kv, num_splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr):
+    """Grid (batch * heads_kv, group * Nq, BLOCK_D // BLOCK_DC): one program merges one query
+    row's chunk of the head dim over all splits at once (the first chunk writes the lse)."""
+    bh = tl.program_id(0)
+    r = tl.program_id(1)
+    dc = tl.program_id(2)
+    b = bh // heads_kv
+    hk = bh % heads_kv
+    qi = r % seqlen_q
+    h = hk * group + r // seqlen_q
+    ss = tl.arange(0, BLOCK_S)
+    s_ok = ss < num_splits
+    part = (bh * num_splits + ss) * BLOCK_M + r
+    ls = tl.load(Lpart + part, mask=s_ok, other=float("-inf"))
+    m = tl.max(ls, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(ls - m_safe)
+    total = tl.sum(w, 0)
+    ds = dc * BLOCK_DC + tl.arange(0, BLOCK_DC)
+    o = tl.load(Opart + part[:, None] * BLOCK_D + ds[None, :], mask=s_ok[:, None], other=0.0)
+    seen = total > 0.0
+    o = tl.sum(w[:, None] * o, 0) / tl.where(seen, total, 1.0)
+    tl.store(Out + b * stride_ob + qi * stride_on + h * stride_oh + ds, o.to(Out.dtype.element_ty),
+             mask=ds < HEAD_DIM)
+    if dc == 0:
+        lse2 = tl.where(seen, m_safe + tl.math.log2(tl.where(seen, total, 1.0)), float("-inf"))
+        tl.store(Lse + (b * heads_kv * group + h) * seqlen_q + qi, lse2 * _LN2)
+
+
+def not_supported_reasons(key) -> list[str]:
+    """Why the kernels cannot run a :class:`sparktune._kvcache.DecodeKey` (empty: they can)."""
+    out = []
+    if key.dtype not in _DTYPES:
+        out.append(f"triton decode: dtype float16 or bfloat16, got {key.dtype}")
+    if key.head_dim % 8 or not 16 <= key.head_dim <= 256:
+        out.append(f"triton decode: head_dim a multiple of 8 in 16..256, got {key.head_dim}")
+    rows = key.group_size * key.seqlen_q
+    if rows > MAX_ROWS:
+        out.append(f"triton decode: group size * Nq at most {MAX_ROWS}, got {rows}")
+    return out
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, 1 << max(0, n - 1).bit_length())
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few "SMs" so that tests exercise several splits
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def splits_for(cfg: DecodeConfig, key, device: torch.device, capacity: int) -> int:
+    return num_splits(cfg, key.batch, key.heads_kv, _sm_count(device), capacity)
+
+
+@functools.lru_cache(maxsize=256)
+def _config(name: str | None, head_dim: int) -> DecodeConfig:
+    return parse_decode_config(name or default_decode_config(head_dim))
+
+
+def decode(inp, *, config: str | None = None, return_lse: bool = False):
+    """Run a checked :class:`sparktune._kvcache.DecodeInputs`: append, split-KV, combine."""
+    from .._kvcache import seqlens_tensor
+
+    key = inp.key
+    cfg = _config(config, key.head_dim)
+    q, kc, vc = inp.q, inp.k_cache, inp.v_cache
+    batch, nq, hq, d = q.shape
+    hkv = key.heads_kv
+    group = key.group_size
+    dev = q.device
+    seqlens = seqlens_tensor(inp)
+    table = inp.block_table
+    bidx = inp.cache_batch_idx
+    dummy_i = seqlens
+    block_d = _pow2(d)
+    if key.appends:
+        kn, vn = inp.k, inp.v
+        _append_kernel[(batch, key.appends)](
+            kn, vn, kc, vc, seqlens, table if table is not None else dummy_i,
+            bidx if bidx is not None else dummy_i,
+            kn.stride(0), kn.stride(1), kn.stride(2), vn.stride(0), vn.stride(1), vn.stride(2),
+            kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+            table.stride(0) if table is not None else 0,
+            hkv, inp.capacity, kc.shape[0], table.shape[1] if table is not None else 1,
+            PAGE_SIZE=inp.page_size, BATCH_IDX=bidx is not None, HEAD_DIM=d,
+            BLOCK_H=_pow2(hkv, 1), BLOCK_D=block_d, num_warps=1,
+        )
+    out = torch.empty(q.shape, dtype=q.dtype, device=dev)
+    lse = torch.empty(batch, hq, nq, dtype=torch.float32, device=dev)
+    splits = splits_for(cfg, key, dev, inp.capacity)
+    block_m = _pow2(group * nq)
+    if splits > 1:
+        opart = torch.empty(batch * hkv * splits * block_m * block_d, dtype=torch.float32,
+                            device=dev)
+        lpart = torch.empty(batch * hkv * splits * block_m, dtype=torch.float32, device=dev)
+    else:
+        opart = lpart = lse
+    left, right = inp.window
+    softcap = inp.softcap
+    slopes = inp.alibi_slopes
+    scale = inp.scale
+    _decode_kernel[(splits, batch * hkv)](
+        q, kc, vc, seqlens, table if table is not None else dummy_i,
+        bidx if bidx is not None else dummy_i, slopes if slopes is not None else lse,
+        out, lse, opart, lpart,
+        q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1), kc.stride(2),
+        vc.stride(0), vc.stride(1), vc.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        table.stride(0) if table is not None else 0,
+        slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,
+        key.appends, nq, group, hkv, inp.capacity, kc.shape[0],
+        table.shape[1] if table is not None else 1,
+        scale * LOG2E, (scale / softcap) if softcap > 0 else 0.0, softcap * LOG2E,
+        left, right, splits,
+        PAGE_SIZE=inp.page_size, BATCH_IDX=bidx is not None, CAUSAL=inp.causal,
+        WINDOW_L=left >= 0, WINDOW_R=right >= 0, SOFTCAP=softcap > 0, ALIBI=slopes is not None,
+        SPLIT=splits > 1, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        num_warps=cfg.warps, num_stages=cfg.stages,
+    )
+    if splits > 1:
+        block_dc = min(block_d, _COMBINE_DC)
+        _combine_kernel[(batch * hkv, group * nq, block_d // block_dc)](
+            opart, lpart, out, lse, out.stride(0), out.stride(1), out.stride(2), nq, group, hkv,
+            splits, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_S=_pow2(splits, 2),
+            BLOCK_DC=block_dc, num_warps=4,
+        )
+    return (out, lse) if return_lse else out
+

@@ -1,0 +1,200 @@
+"""The split-KV Triton decode kernels under Triton's CPU interpreter, on small shapes, against
+the float64 definition (tests/_decode_oracle.py) with FlashAttention's 2x rule: the kernel's
+max error is at most twice that of the definition computed in float32 and rounded to the input
+dtype, plus a small floor. Contiguous and paged (pages out of order, shared), appends, ragged
+and empty lengths, Nq 1 and 4, one split and several (the combine), windows, softcap, ALiBi,
+and bad device-resident values with no host check: nothing read or written out of range.
+
+As tests/test_triton_features.py, the ``test_interp_*`` tests run once in a child pytest with
+``TRITON_INTERPRET=1`` (chosen before triton is imported) and each reports the child's outcome.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+
+from sparktune.kernels import triton_decode_space as space
+from tests._decode_cases import make_case
+from tests._decode_oracle import decode_oracle, expected_caches
+
+_CHILD_FLAG = "_SPARKTUNE_TRITON_DECODE_INTERPRETED"
+IN_CHILD = os.environ.get(_CHILD_FLAG) == "1"
+FLOOR = 2e-3
+
+
+@pytest.fixture(scope="module")
+def child_report(tmp_path_factory):
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    xml_path = tmp_path_factory.mktemp("interp_decode") / "report.xml"
+    env = dict(os.environ, TRITON_INTERPRET="1", **{_CHILD_FLAG: "1"})
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interp",
+           f"--junitxml={xml_path}", os.path.abspath(__file__)]
+    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=1200)
+    if not xml_path.exists():
+        pytest.fail(f"the interpreted child run produced no report:\n{proc.stdout}\n{proc.stderr}",
+                    pytrace=False)
+    report = {}
+    for case in ET.parse(xml_path).getroot().iter("testcase"):
+        outcome, message = "passed", ""
+        for kind in ("failure", "error", "skipped"):
+            node = case.find(kind)
+            if node is not None:
+                outcome = "skipped" if kind == "skipped" else "failed"
+                message = (node.get("message") or "") + "\n" + (node.text or "")
+                break
+        report[case.get("name")] = (outcome, message)
+    return report
+
+
+def _delegated(request) -> bool:
+    if IN_CHILD:
+        return False
+    report = request.getfixturevalue("child_report")
+    name = request.node.name
+    if name not in report:
+        pytest.fail(f"{name} did not run in the interpreted child", pytrace=False)
+    outcome, message = report[name]
+    if outcome == "failed":
+        pytest.fail(f"under the interpreter:\n{message}", pytrace=False)
+    if outcome == "skipped":
+        pytest.skip(message.strip())
+    return True
+
+
+def _check(case, config, lse=True):
+    import sparktune
+
+    args, kw = case.call_args()
+    out, lse_got = sparktune.attention_with_kvcache(*args, **kw, backend="triton", config=config,
+                                                   return_lse=True)
+    okw = dict(seqlens=case.seqlens, table=case.table, batch_idx=case.batch_idx,
+               causal=kw.get("causal", True), scale=kw.get("scale"),
+               window=kw.get("window", (-1, -1)), softcap=kw.get("softcap", 0.0),
+               slopes=kw.get("alibi_slopes"))
+    ref, ref_lse = decode_oracle(case.q, case.k_cache, case.v_cache, case.k, case.v, **okw)
+    low, _ = decode_oracle(case.q, case.k_cache, case.v_cache, case.k, case.v,
+                           math_dtype=torch.float32, **okw)
+    base = (low.to(case.q.dtype).double() - ref).abs().max().item()
+    err = (out.double() - ref).abs().max().item()
+    assert err <= 2 * base + FLOOR, f"{config}: error {err}, baseline {base}"
+    assert torch.equal(torch.isinf(lse_got.double()), torch.isinf(ref_lse))
+    fin = ~torch.isinf(ref_lse)
+    assert (lse_got.double()[fin] - ref_lse[fin]).abs().max().item() <= 2e-2 if fin.any() else True
+    kc_exp, vc_exp = expected_caches(case.k_cache, case.v_cache, case.k, case.v, case.seqlens,
+                                     case.table, case.batch_idx)
+    assert torch.equal(args[1], kc_exp) and torch.equal(args[2], vc_exp)
+
+
+CONFIGS = ("tdec_n16_w1s1_p1", "tdec_n16_w1s1_p3", "tdec_n32_w1s1_x2")
+
+CASES = {
+    "contiguous": dict(),
+    "nq4_gqa2": dict(nq=4, hq=4, hkv=2, appends=4, seqlens=(1, 0, 30)),
+    "mqa_group8": dict(hq=8, hkv=1, seqlens=(17, 3, 40)),
+    "paged_shared_append": dict(page_size=8, appends=2, seqlens=(9, 8, 33), share_pages=True),
+    "paged_page4_nq4": dict(page_size=4, nq=4, appends=1, seqlens=(0, 6, 47)),
+    "batch_idx": dict(batch_idx=True, appends=1),
+    "window_softcap_alibi": dict(nq=2, window=(7, -1), softcap=2.5, alibi=True, seqlens=(20, 1, 44)),
+    "full_window_right": dict(nq=3, causal=False, window=(6, 1), seqlens=(20, 1, 44)),
+    "hd64": dict(d=64, hq=2, hkv=1, page_size=16, seqlens=(12, 0, 40)),
+    "empty": dict(seqlens=(0, 0, 0)),
+    "page32_window_tiles_in_one_page": dict(page_size=32, capacity=64, window=(5, -1), nq=2,
+                                            appends=2, seqlens=(40, 0, 50)),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_interp_decode_matches_definition(request, name, dtype):
+    if _delegated(request):
+        return
+    spec = dict(CASES[name])
+    alibi = spec.pop("alibi", False)
+    case = make_case(dtype=getattr(torch, dtype), seed=hash(name) % 1000, **spec)
+    if alibi:
+        case.kwargs["alibi_slopes"] = torch.rand(case.q.shape[2],
+                                                 generator=torch.Generator().manual_seed(3))
+    for config in CONFIGS:
+        _check(case, config)
+
+
+def test_interp_default_path_and_int_lengths(request):
+    if _delegated(request):
+        return
+    import sparktune
+    from sparktune import _kvcache
+
+    case = make_case(dtype=torch.float16, seqlens=(21, 21, 21), appends=1)
+    args, kw = case.call_args(seqlens_as_int=True)
+    key = _kvcache.check_kvcache(*args, **kw).key
+    assert _kvcache.select_decode(key, torch.device("cpu")) == ("triton", None)
+    out = sparktune.attention_with_kvcache(*args, **kw)
+    ref, _ = decode_oracle(case.q, case.k_cache, case.v_cache, case.k, case.v, seqlens=case.seqlens)
+    assert (out.double() - ref).abs().max().item() <= 5e-3
+
+
+def test_interp_bad_values_never_go_out_of_range(request):
+    """With no host check, lengths past the capacity are clamped and bad pages/rows never
+    read or written outside the cache (the interpreter would fault or the sentinel change)."""
+    if _delegated(request):
+        return
+    import sparktune
+
+    case = make_case(dtype=torch.float16, page_size=8, appends=2, seqlens=(5, 0, 30))
+    args, kw = case.call_args()
+    # a cache with sentinel pages around it: views into a bigger buffer
+    blocks = args[1].shape[0]
+    big_k = torch.full((blocks + 2, *args[1].shape[1:]), 7.0, dtype=torch.float16)
+    big_v = big_k.clone()
+    big_k[1:-1] = args[1]
+    big_v[1:-1] = args[2]
+    table = kw["block_table"].clone()
+    table[0, 0] = blocks + 5  # out of range
+    table[2, 3] = -4
+    lens = torch.tensor([5, 1000, 30], dtype=torch.int32)  # past the capacity
+    out = sparktune.attention_with_kvcache(
+        args[0], big_k[1:-1], big_v[1:-1], args[3], args[4], cache_seqlens=lens,
+        block_table=table, backend="triton", config="tdec_n16_w1s1_p3", check_bounds=False)
+    assert torch.isfinite(out).all()
+    assert (big_k[0] == 7).all() and (big_k[-1] == 7).all()
+    assert (big_v[0] == 7).all() and (big_v[-1] == 7).all()
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 1000 \(\+ 2 new tokens\) is outside"):
+        sparktune.attention_with_kvcache(
+            args[0], big_k[1:-1], big_v[1:-1], args[3], args[4], cache_seqlens=lens,
+            block_table=table, backend="triton", check_bounds=True)
+    lens[1] = 0
+    with pytest.raises(ValueError, match=r"block_table\[0, 0\] = \d+ is not a page"):
+        sparktune.attention_with_kvcache(
+            args[0], big_k[1:-1], big_v[1:-1], args[3], args[4], cache_seqlens=lens,
+            block_table=table, backend="triton", check_bounds=True)
+
+
+def test_config_space_names_round_trip():
+    for name in space.DECODE_SPACE + space.BENCH_SPACE:
+        assert space.parse_decode_config(name).name == name
+    assert space.parse_decode_config("tdec_n16_w1s1_p3").splits == 3
+    with pytest.raises(ValueError, match="not a decode config name"):
+        space.parse_decode_config("tfwd_m16n16_w1s1")
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        space.parse_decode_config("tdec_n24_w4s2_x2")
+
+
+def test_split_rule():
+    cfg = space.parse_decode_config("tdec_n64_w4s2_x2")
+    # batch 1, 8 kv heads, 132 SMs, 128k cache: ceil(2 * 132 / 8) = 33 splits
+    assert space.num_splits(cfg, 1, 8, 132, 131072) == 33
+    # batch 64: one split; a short cache: no more splits than tiles
+    assert space.num_splits(cfg, 64, 8, 132, 131072) == 1
+    assert space.num_splits(cfg, 1, 8, 132, 100) == 2
+    assert space.num_splits(space.parse_decode_config("tdec_n64_w4s2_p200".replace("200", "100")),
+                            1, 1, 1, 10**6) == 100
