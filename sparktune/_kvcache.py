@@ -23,12 +23,13 @@ Semantics (FlashAttention-2's ``flash_attn_with_kvcache``, the names are ours):
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .problem import Problem
 
 __all__ = [
     "attention_with_kvcache",
@@ -40,7 +41,10 @@ __all__ = [
     "reference_decode",
     "sdpa_decode",
     "decode_reasons",
+    "decode_problem",
     "DECODE_BACKENDS",
+    "DecodeChoice",
+    "choose_decode",
     "select_decode",
     "set_decode_choice",
 ]
@@ -511,106 +515,217 @@ def sdpa_decode(inp: DecodeInputs, return_lse: bool = False):
 
 
 # ---------------------------------------------------------------------------------------------
-# choosing a path
+# choosing a path: the decode Problem through dispatch (the tuned records, the nearest, the
+# default order), with an in-process memo in front
 
 
-@functools.cache
-def _triton_unavailable() -> tuple[str, ...]:
-    try:
-        import triton  # noqa: F401
-    except Exception as e:  # noqa: BLE001
-        return (f"triton is not importable ({type(e).__name__}: {e})",)
-    return ()
+#: DecodeKey -> its Problem (the store's key; float32/float64 keys have none)
+_problems: dict[DecodeKey, Problem] = {}
+_PROBLEMS_MAX = 4096
 
 
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+def decode_problem(key: DecodeKey) -> Problem | None:
+    """The :class:`~sparktune.problem.Problem` of op "decode" of a key, what the tuning store
+    and dispatch know it by (``seqlen_q`` = Nq, ``seqlen_k`` = the cache-length bucket); None
+    for float32/float64 inputs, which only the reference runs."""
+    p = _problems.get(key)
+    if p is None:
+        if key.dtype not in ("float16", "bfloat16"):
+            return None
+        p = Problem(
+            op="decode", dtype=key.dtype, batch=key.batch, heads_q=key.heads_q,
+            heads_kv=key.heads_kv, seqlen_q=key.seqlen_q, seqlen_k=key.cache_len,
+            head_dim=key.head_dim, causal=key.causal, window_left=key.window_left,
+            window_right=key.window_right, softcap=key.softcap, alibi=key.alibi,
+            page_size=key.page_size, appends=key.appends,
+        )  # fmt: skip
+        if len(_problems) >= _PROBLEMS_MAX:
+            _problems.clear()
+        _problems[key] = p
+    return p
 
 
 def decode_reasons(backend: str, key: DecodeKey, device: torch.device,
-                   need_lse: bool = False) -> list[str]:
-    """Why ``backend`` cannot run ``key`` on ``device`` (empty: it can)."""
-    reasons: list[str] = []
-    if backend == "reference":
-        return reasons
-    if backend == "torch":
-        if key.softcap:
-            reasons.append("torch: SDPA has no softcap")
-        if need_lse:
-            reasons.append("torch: SDPA returns no log-sum-exp here")
-        if key.dtype not in ("float16", "bfloat16"):
-            reasons.append(f"torch: decode takes float16/bfloat16, got {key.dtype}")
-        return reasons
-    if backend == "triton":
-        from .kernels import triton_decode
+                   need_lse: bool = False, config: str | None = None) -> list[str]:
+    """Why ``backend`` (with ``config``) cannot run ``key`` on ``device`` (empty: it can): the
+    registered backend's answer for the decode Problem, and that the torch path returns no
+    log-sum-exp."""
+    if backend not in DECODE_BACKENDS:
+        return [f"unknown decode backend {backend!r}; known: {', '.join(DECODE_BACKENDS)}"]
+    problem = decode_problem(key)
+    if problem is None:  # float32/float64: the reference math only
+        if backend == "reference":
+            return []
+        return [f"{backend}: decode takes float16/bfloat16, got {key.dtype}"]
+    from . import registry
+    from ._plan import device_info
 
-        reasons.extend(_triton_unavailable())
-        interpret = triton_decode.INTERPRET if not reasons else False
-        if device.type != "cuda" and not interpret:
-            reasons.append(f"triton: runs on CUDA devices (or under TRITON_INTERPRET=1), "
-                           f"got {device.type}")
-        elif device.type == "cuda" and _capability(device.index or 0) < (8, 0):
-            reasons.append("triton: decode kernels need sm_80 or later")
-        if not reasons:
-            reasons.extend(triton_decode.not_supported_reasons(key))
-        return reasons
-    return [f"unknown decode backend {backend!r}; known: {', '.join(DECODE_BACKENDS)}"]
+    try:
+        b = registry.get_backend(backend)
+    except Exception as exc:  # noqa: BLE001 - not registered in this process
+        return [f"{backend}: {exc}"]
+    reasons = [f"{backend}: {r}" for r in b.runnable_reasons(problem, config, device_info(device))]
+    if need_lse and backend == "torch":
+        reasons.append("torch: SDPA returns no log-sum-exp here")
+    return reasons
 
 
-#: (key, device) -> (backend, config), the per-process choice (set by tuning or by hand)
+@dataclass(frozen=True)
+class DecodeChoice:
+    """The path of a decode call and where it came from (dispatch's sources: "forced",
+    "tuned", "nearest", "default"; "chosen" for :func:`set_decode_choice`)."""
+
+    backend: str
+    config: str | None
+    source: str
+    detail: str = ""
+
+
+#: (key, device) -> (backend, config): in-process overrides (:func:`set_decode_choice`)
 _chosen: dict[tuple[DecodeKey, str], tuple[str, str | None]] = {}
-#: (key, device, need_lse) -> (backend, config), the memo of resolved defaults
-_memo: dict[tuple[DecodeKey, str, bool], tuple[str, str | None]] = {}
-#: (key, device, need_lse, backend) of forced backends found able to run the key
-_forced_ok: set[tuple[DecodeKey, str, bool, str]] = set()
+#: (key, device, need_lse) -> the choice; valid for dispatch's generation ``_memo_generation``
+_memo: dict[tuple[DecodeKey, str, bool], DecodeChoice] = {}
+_memo_generation = -1
+#: (key, device, need_lse, backend, config) of forced choices found able to run the key
+_forced_ok: set[tuple[DecodeKey, str, bool, str, str | None]] = set()
 
 
 def set_decode_choice(key: DecodeKey, device: torch.device | str, backend: str,
                       config: str | None = None) -> None:
-    """Make ``backend``/``config`` the choice for ``key`` on ``device`` in this process (what a
-    tuning run of decode problems records)."""
+    """Make ``backend``/``config`` the choice for ``key`` on ``device`` in this process, over
+    the tuned records (an in-process override; tuning stores records that dispatch reads)."""
     if backend not in DECODE_BACKENDS:
         raise ValueError(f"unknown decode backend {backend!r}; known: {', '.join(DECODE_BACKENDS)}")
     _chosen[(key, str(torch.device(device)))] = (backend, config)
     _memo.clear()
+    _plans.clear()
+
+
+def _no_kernel(message: str) -> Exception:
+    from .dispatch._resolve import NoKernelError
+
+    return NoKernelError(message)
+
+
+def choose_decode(key: DecodeKey, device: torch.device, need_lse: bool = False,
+                  backend: str | None = None, config: str | None = None) -> DecodeChoice:
+    """The path of one call: forced (``backend=``), else an in-process override, else
+    dispatch's selection for the decode Problem (the tuned record of this device and build,
+    the nearest tuned shape of the same kind, else the default order: Triton, SDPA on the
+    sliced cache, the reference; on CPU tensors Triton under the interpreter, else the
+    reference). A call that asks for the log-sum-exp never gets the torch path. Memoised per
+    (key, device, need_lse) while dispatch's state is unchanged."""
+    from . import dispatch
+
+    global _memo_generation
+    dev = str(device)
+    if backend is not None:
+        forced_key = (key, dev, need_lse, backend, config)
+        if forced_key not in _forced_ok:
+            reasons = decode_reasons(backend, key, device, need_lse, config)
+            if reasons:
+                raise _no_kernel(f"backend {backend!r} cannot run {key.key()}: " + "; ".join(reasons))
+            _forced_ok.add(forced_key)
+        return DecodeChoice(backend, config, "forced", "asked for by the caller")
+    if _memo_generation != dispatch.generation:
+        _memo.clear()
+        _memo_generation = dispatch.generation
+    memo_key = (key, dev, need_lse)
+    hit = _memo.get(memo_key)
+    if hit is not None:
+        return hit
+    choice = None
+    chosen = _chosen.get((key, dev))
+    if chosen is not None and not decode_reasons(chosen[0], key, device, need_lse, chosen[1]):
+        choice = DecodeChoice(chosen[0], chosen[1], "chosen", "set_decode_choice in this process")
+    problem = decode_problem(key)
+    if choice is None and problem is not None:
+        from ._plan import device_info
+
+        sel = dispatch.select(problem, device_info(device), count=False)
+        if need_lse and sel.candidate.backend == "torch":
+            # the torch path has no log-sum-exp: the first of the others that runs it
+            for name in ("triton", "reference"):
+                if not decode_reasons(name, key, device, True):
+                    choice = DecodeChoice(name, None, "default",
+                                          f"{sel.candidate.label} returns no log-sum-exp")
+                    break
+        else:
+            choice = DecodeChoice(sel.candidate.backend, sel.candidate.config, sel.source, sel.detail)
+    if choice is None:
+        why = [r for name in DECODE_BACKENDS for r in decode_reasons(name, key, device, need_lse)]
+        raise _no_kernel(f"no decode backend runs {key.key()}: " + "; ".join(why))
+    _memo[memo_key] = choice
+    return choice
 
 
 def select_decode(key: DecodeKey, device: torch.device, need_lse: bool = False,
                   backend: str | None = None, config: str | None = None) -> tuple[str, str | None]:
-    """The (backend, config) for one call: forced, else the recorded choice, else the first of
-    :data:`DECODE_BACKENDS` that can run it (Triton with its default rule on sm_80+, SDPA on
-    other GPUs, the reference on CPU). A dict lookup after the first call of a key."""
-    if backend is not None:
-        forced_key = (key, str(device), need_lse, backend)
-        if forced_key not in _forced_ok:
-            reasons = decode_reasons(backend, key, device, need_lse)
-            if reasons:
-                from .dispatch._resolve import NoKernelError
+    """(backend, config) of :func:`choose_decode`."""
+    c = choose_decode(key, device, need_lse, backend, config)
+    return c.backend, c.config
 
-                raise NoKernelError(f"backend {backend!r} cannot run {key.key()}: "
-                                    + "; ".join(reasons))
-            _forced_ok.add(forced_key)
-        return backend, config
-    memo_key = (key, str(device), need_lse)
-    hit = _memo.get(memo_key)
-    if hit is not None:
-        return hit
-    chosen = _chosen.get((key, str(device)))
-    if chosen is not None and not decode_reasons(chosen[0], key, device, need_lse):
-        _memo[memo_key] = chosen
-        return chosen
-    why = []
-    order = DECODE_BACKENDS if device.type == "cuda" else ("triton", "reference")
-    for name in order:
-        reasons = decode_reasons(name, key, device, need_lse)
-        if not reasons:
-            _memo[memo_key] = (name, None)
-            return name, None
-        why.extend(reasons)
-    from .dispatch._resolve import NoKernelError
 
-    raise NoKernelError(f"no decode backend runs {key.key()}: " + "; ".join(why))
+# ---------------------------------------------------------------------------------------------
+# repeated calls: the checked plan of a call signature
+
+
+class _Plan:
+    """What a call worked out from its signature (every property of the inputs and arguments
+    that :func:`check_kvcache` and the choice read): a later call with an equal signature
+    passes the same checks and takes the same path, so it only rebuilds its
+    :class:`DecodeInputs` around its own tensors and launches."""
+
+    __slots__ = ("generation", "choice", "key", "causal", "scale", "window", "softcap",
+                 "capacity", "page_size", "check", "launcher", "seqlens", "math_dtype")
+
+    def __init__(self, generation: int, choice: DecodeChoice, inp: DecodeInputs, check: bool,
+                 launcher: Any) -> None:
+        self.generation = generation
+        self.choice = choice
+        self.key = inp.key
+        self.causal, self.scale, self.window, self.softcap = inp.causal, inp.scale, inp.window, inp.softcap
+        self.capacity, self.page_size = inp.capacity, inp.page_size
+        self.check = check
+        self.launcher = launcher
+        #: an int cache_seqlens as a device tensor (the int is part of the signature)
+        self.seqlens: torch.Tensor | None = None
+        self.math_dtype = torch.float64 if inp.q.dtype == torch.float64 else torch.float32
+
+
+#: call signature -> its plan
+_plans: dict[tuple[Any, ...], _Plan] = {}
+#: more distinct signatures than this start the table afresh
+_PLANS_MAX = 4096
+
+
+def _meta(t: Any) -> Any:
+    """What the checks read of an optional tensor argument."""
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _run(plan: _Plan, inp: DecodeInputs, return_lse: bool):
+    choice = plan.choice
+    name = choice.backend
+    with torch.no_grad():
+        if name == "triton":
+            cs = inp.cache_seqlens
+            if isinstance(cs, torch.Tensor):
+                seqlens = cs
+            else:
+                seqlens = plan.seqlens
+                if seqlens is None:
+                    seqlens = plan.seqlens = seqlens_tensor(inp)
+            return plan.launcher.run(inp, seqlens, return_lse)
+        append_kv(inp)
+        if name == "torch":
+            return sdpa_decode(inp, return_lse)
+        math_dtype = plan.math_dtype
+        if choice.config == "float64":
+            math_dtype = torch.float64
+        return reference_decode(inp, math_dtype, return_lse)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -656,32 +771,68 @@ def attention_with_kvcache(
             no device sync (CPU tensors, or a path that reads the lengths anyway); the Triton
             path then clamps every index so that a bad value never reads or writes outside the
             cache. ``True``: always check (one sync). ``False``: never.
-        backend, config: force a decode path (``"triton"``, ``"torch"``, ``"reference"``).
+        backend, config: force a decode path (``"triton"``, ``"torch"``, ``"reference"``) and
+            its config (a Triton decode config name, ``"auto"`` for torch, ``"float32"`` or
+            ``"float64"`` for the reference's math).
 
     Returns:
         ``(B, Nq, Hq, D)`` in q's dtype (and the lse when asked).
     """
-    if torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v)
+    if torch.is_grad_enabled() and (
+        getattr(q, "requires_grad", False) or getattr(k_cache, "requires_grad", False)
+        or getattr(v_cache, "requires_grad", False) or getattr(k, "requires_grad", False)
+        or getattr(v, "requires_grad", False)
     ):
         raise ValueError("attention_with_kvcache is inference only: no autograd (call it under "
                          "torch.no_grad() or with tensors that do not require grad)")
+    from . import dispatch
+
+    try:  # what the checks and the choice read: shapes, strides, dtypes, devices, arguments
+        sig = (
+            q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(),
+            k_cache.dtype, k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype,
+            v_cache.device, _meta(k), _meta(v), type(cache_seqlens),
+            cache_seqlens if type(cache_seqlens) is int else _meta(cache_seqlens),
+            _meta(block_table), _meta(cache_batch_idx), _meta(alibi_slopes), causal,
+            type(scale), scale, type(window), window, type(softcap), softcap, return_lse,
+            check_bounds, backend, config, k_cache.data_ptr() == v_cache.data_ptr(),
+        )  # fmt: skip
+        plan = _plans.get(sig)
+    except Exception:  # noqa: BLE001 - not tensors, or unhashable arguments: checked below
+        sig = plan = None
+    if plan is not None and plan.generation == dispatch.generation:
+        inp = DecodeInputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
+                           plan.causal, plan.scale, plan.window, plan.softcap, alibi_slopes,
+                           plan.capacity, plan.page_size, plan.key)
+        if plan.check:
+            check_values(inp)
+        counts = dispatch._counts
+        if plan.choice.source in counts:
+            counts[plan.choice.source] += 1
+        return _run(plan, inp, return_lse)
+
     inp = check_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
         causal=causal, scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
         cache_batch_idx=cache_batch_idx, reference_dtypes=backend == "reference",
     )
-    name, cfg = select_decode(inp.key, q.device, return_lse, backend, config)
+    generation = dispatch.generation
+    choice = choose_decode(inp.key, q.device, return_lse, backend, config)
+    name = choice.backend
+    if choice.source in dispatch._counts:
+        dispatch._counts[choice.source] += 1
     host_reads = name != "triton"  # the torch and reference paths read the lengths anyway
-    if check_bounds or (check_bounds is None and (q.device.type == "cpu" or host_reads)):
+    check = bool(check_bounds or (check_bounds is None and (q.device.type == "cpu" or host_reads)))
+    if check:
         check_values(inp)
-    with torch.no_grad():
-        if name == "triton":
-            from .kernels import triton_decode
+    launcher = None
+    if name == "triton":
+        from .kernels import triton_decode
 
-            return triton_decode.decode(inp, config=cfg, return_lse=return_lse)
-        append_kv(inp)
-        if name == "torch":
-            return sdpa_decode(inp, return_lse)
-        math_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        return reference_decode(inp, math_dtype, return_lse)
+        launcher = triton_decode.DecodeLauncher(inp, choice.config)
+    plan = _Plan(generation, choice, inp, check, launcher)
+    if sig is not None:
+        if len(_plans) >= _PLANS_MAX:
+            _plans.clear()
+        _plans[sig] = plan
+    return _run(plan, inp, return_lse)

@@ -7,12 +7,16 @@ import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Problem", "DeviceInfo", "DTYPES", "FEATURES", "OPS"]
+__all__ = ["Problem", "DeviceInfo", "DTYPES", "DECODE_FEATURES", "FEATURES", "OPS"]
 
 DTYPES = ("float16", "bfloat16")
-OPS = ("fwd", "bwd")
-#: the attention features a problem may have and a backend may declare (docs/FEATURES.md)
-FEATURES = ("window", "softcap", "alibi", "dropout", "deterministic", "varlen")
+OPS = ("fwd", "bwd", "decode")
+#: the attention features a problem may have and a backend may declare (docs/FEATURES.md);
+#: "decode" is every problem of op "decode" (a few queries against a KV cache,
+#: docs/DECODING.md): a backend runs them only when it declares it
+FEATURES = ("window", "softcap", "alibi", "dropout", "deterministic", "varlen", "decode")
+#: the features a decode problem may have besides "decode"
+DECODE_FEATURES = frozenset(("window", "softcap", "alibi"))
 
 _NO_FEATURES: frozenset[str] = frozenset()
 
@@ -94,6 +98,11 @@ class Problem(_CachedHash):
     varlen: bool = False
     total_q: int = 0
     total_k: int = 0
+    #: decode problems (op "decode", docs/DECODING.md): seqlen_q is the number of queries
+    #: (Nq), seqlen_k the power-of-two bucket (>= 16) of the cache's capacity; page_size the
+    #: cache's page size (0: a contiguous cache), appends the tokens appended before attending
+    page_size: int = 0
+    appends: int = 0
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -118,6 +127,9 @@ class Problem(_CachedHash):
             or self.varlen
             or self.total_q
             or self.total_k
+            or self.op == "decode"
+            or self.page_size
+            or self.appends
         ):
             self._check_features()
             features = frozenset(
@@ -129,6 +141,7 @@ class Problem(_CachedHash):
                     ("dropout", self.dropout),
                     ("deterministic", self.deterministic),
                     ("varlen", self.varlen),
+                    ("decode", self.op == "decode"),
                 )
                 if on
             )
@@ -138,6 +151,17 @@ class Problem(_CachedHash):
         self._set_hash()
 
     def _check_features(self) -> None:
+        for name in ("page_size", "appends"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.op == "decode":
+            self._check_decode()
+        elif self.page_size or self.appends:
+            raise ValueError(
+                f"page_size and appends are for decode problems only (op 'decode'), got op "
+                f"{self.op!r} with page_size {self.page_size}, appends {self.appends}"
+            )
         for name in ("window_left", "window_right"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < -1:
@@ -165,8 +189,35 @@ class Problem(_CachedHash):
                     f"batch * longest ({self.batch * longest})"
                 )
 
+    def _check_decode(self) -> None:
+        n = self.seqlen_k
+        if n < 16 or n & (n - 1):
+            raise ValueError(
+                f"a decode problem's seqlen_k is the cache-length bucket, a power of two >= 16 "
+                f"(the next one of the cache's capacity), got {n}"
+            )
+        if self.page_size > n:
+            raise ValueError(f"page_size ({self.page_size}) must not exceed the cache-length bucket ({n})")
+        if self.appends > n:
+            raise ValueError(f"appends ({self.appends}) must not exceed the cache-length bucket ({n})")
+        for name in ("dropout", "deterministic", "varlen", "allow_fp16_accum"):
+            if getattr(self, name):
+                raise ValueError(
+                    f"a decode problem has no {name}; decode problems take the features "
+                    f"{', '.join(sorted(DECODE_FEATURES))}"
+                )
+
     def __hash__(self) -> int:
         return self._hash  # type: ignore[attr-defined]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.op == "decode"
+
+    @property
+    def paged(self) -> bool:
+        """A decode problem on a paged cache."""
+        return self.page_size > 0
 
     @property
     def features(self) -> frozenset[str]:
@@ -184,7 +235,12 @@ class Problem(_CachedHash):
     def flops(self) -> float:
         """FLOPs as FlashAttention counts them: 4*B*H*Nq*Nk*D forward (halved when causal),
         backward 2.5x forward; with a window or varlen, 4*B*H*D times the visible (query, key)
-        pairs (varlen: of sequences of the mean lengths)."""
+        pairs (varlen: of sequences of the mean lengths). Decode: 4*B*Hq*Nq*D times the
+        cache-length bucket (every query against a full cache; neither the causal diagonal nor
+        a window is subtracted: the tuner's caches are full and decode cost is the K/V read,
+        see :meth:`bytes_read`)."""
+        if self.op == "decode":
+            return 4.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
         if not self._features or self._features <= {"softcap", "alibi", "dropout", "deterministic"}:
             f = 4.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
             if self.causal:
@@ -199,6 +255,12 @@ class Problem(_CachedHash):
         pairs = _visible_pairs(nq, nk, self.causal, self.window_left, self.window_right)
         f = 4.0 * self.batch * self.heads_q * pairs * self.head_dim
         return f * (2.5 if self.op == "bwd" else 1.0)
+
+    def bytes_read(self) -> float:
+        """Bytes of K and V a decode problem reads with every cache full (the bandwidth
+        numerator: ``2 * B * Hkv * cache_len * D * itemsize``); for other problems the same
+        count over seqlen_k, once."""
+        return 2.0 * self.batch * self.heads_kv * self.seqlen_k * self.head_dim * 2
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -10,7 +10,7 @@ import pytest
 
 from sparktune import db
 from sparktune.db import Store
-from sparktune.db._schema import FEATURE_COLUMNS
+from sparktune.db._schema import KEY_COLUMNS
 from sparktune.tune import LeaseBoard, new_owner_id
 from tests._pg import pg_url  # noqa: F401 - fixture
 from tests._store_helpers import ServerClock, problem, record
@@ -119,7 +119,7 @@ def test_schema_2_is_upgraded_with_the_lease_table(tmp_path):
     con = sqlite3.connect(path)
     con.execute("DROP TABLE sparktune_leases")
     con.execute("ALTER TABLE sparktune_records DROP COLUMN floor_ms")  # schema 4's
-    for name in FEATURE_COLUMNS:  # schema 5's
+    for name in KEY_COLUMNS:  # schemas 5 and 6
         con.execute(f"ALTER TABLE sparktune_records DROP COLUMN {name}")
     con.execute("UPDATE sparktune_meta SET value='2' WHERE key='schema_version'")
     con.commit()
@@ -127,5 +127,5 @@ def test_schema_2_is_upgraded_with_the_lease_table(tmp_path):
     with Store(path, readonly=True) as s:  # read as it is, not changed
         assert s.version == 2 and s.records() == []
     with Store(path) as s:
-        assert s.version == db.SCHEMA_VERSION == 5
+        assert s.version == db.SCHEMA_VERSION == 6
         assert LeaseBoard(s).claim("w", "x") is not None

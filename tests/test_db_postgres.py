@@ -15,7 +15,7 @@ from sparktune import db, dispatch
 from sparktune.cli import build_parser, main
 from sparktune.cli import tune as tune_cli
 from sparktune.db import Store, problem_key
-from sparktune.db._schema import FEATURE_COLUMNS
+from sparktune.db._schema import KEY_COLUMNS
 from sparktune.tune import CostTimer, LeaseBoard
 from tests._pg import pg_url, with_password  # noqa: F401 - fixture
 from tests._store_helpers import (
@@ -85,7 +85,7 @@ def test_upgrade_from_schema_2(pg_url):  # noqa: F811
     with eng.begin() as c:
         c.exec_driver_sql("DROP TABLE sparktune_leases")
         c.exec_driver_sql("ALTER TABLE sparktune_records DROP COLUMN floor_ms")  # schema 4's
-        for name in FEATURE_COLUMNS:  # schema 5's
+        for name in KEY_COLUMNS:  # schemas 5 and 6
             c.exec_driver_sql(f"ALTER TABLE sparktune_records DROP COLUMN {name}")
         c.exec_driver_sql("UPDATE sparktune_meta SET value='2' WHERE key='schema_version'")
     eng.dispose()
@@ -99,7 +99,7 @@ def test_upgrade_from_schema_4_reads_old_rows_as_features_off(pg_url):  # noqa: 
         s.add([record(problem(), config="old")])
     eng = sa.create_engine(pg_url)
     with eng.begin() as c:
-        for name in FEATURE_COLUMNS:
+        for name in KEY_COLUMNS:
             c.exec_driver_sql(f"ALTER TABLE sparktune_records DROP COLUMN {name}")
         c.exec_driver_sql("UPDATE sparktune_meta SET value='4' WHERE key='schema_version'")
     eng.dispose()

@@ -9,7 +9,7 @@ import sqlalchemy as sa
 
 from sparktune import db
 from sparktune.db import SCHEMA_VERSION, SchemaOutdatedError, SchemaTooNewError, Store
-from sparktune.db._schema import FEATURE_COLUMNS
+from sparktune.db._schema import DECODE_COLUMNS, KEY_COLUMNS
 from sparktune.problem import Problem
 from tests._store_helpers import record
 
@@ -89,7 +89,7 @@ def _v3_file(tmp_path):
         s.add([record(config="v3", median=2.0)])
     con = sqlite3.connect(path)
     con.execute("ALTER TABLE sparktune_records DROP COLUMN floor_ms")
-    for name in FEATURE_COLUMNS:  # schema 5's
+    for name in KEY_COLUMNS:  # schemas 5 and 6
         con.execute(f"ALTER TABLE sparktune_records DROP COLUMN {name}")
     con.execute("UPDATE sparktune_meta SET value='3' WHERE key='schema_version'")
     con.commit()
@@ -168,7 +168,7 @@ def _v4_file(tmp_path):
     with Store(path) as s:
         s.add([record(config="v4rec", median=2.0)])
     con = sqlite3.connect(path)
-    for name in FEATURE_COLUMNS:
+    for name in KEY_COLUMNS:
         con.execute(f"ALTER TABLE sparktune_records DROP COLUMN {name}")
     con.execute("UPDATE sparktune_meta SET value='4' WHERE key='schema_version'")
     con.commit()
@@ -202,3 +202,44 @@ def test_upgrade_from_v1_reads_features_off(tmp_path):
         (r,) = s.records()
         assert r.problem == Problem("fwd", "float16", 1, 12, 12, 8192, 8192, 128, False)
         assert r.problem.features == frozenset()
+
+
+DECODE = Problem("decode", "bfloat16", 8, 32, 8, 1, 8192, 128, True, page_size=256)
+
+
+def _v5_file(tmp_path):
+    """A store as schema version 5 wrote it (no decode columns), with one forward record."""
+    path = tmp_path / "v5.sqlite3"
+    with Store(path) as s:
+        s.add([record(config="v5rec", median=2.0)])
+    con = sqlite3.connect(path)
+    for name in DECODE_COLUMNS:
+        con.execute(f"ALTER TABLE sparktune_records DROP COLUMN {name}")
+    con.execute("UPDATE sparktune_meta SET value='5' WHERE key='schema_version'")
+    con.commit()
+    con.close()
+    return path
+
+
+def test_schema_5_is_read_as_it_is_and_upgraded_for_decode_records(tmp_path):
+    path = _v5_file(tmp_path)
+    with Store(path, readonly=True) as s:  # read as it is: dense rows, no decode records
+        (r,) = s.records()
+        assert s.version == 5 and r.config == "v5rec" and r.problem.page_size == 0
+        assert s.records(problem=r.problem) == [r]
+        assert s.records(problem=DECODE) == []
+    assert _version(path) == "5"
+    assert Store.upgrade_database(path) == (5, SCHEMA_VERSION)
+    with Store(path) as s:
+        (old,) = s.records()
+        assert old.uid == r.uid and old.problem == r.problem
+        s.add([record(DECODE, config="tdec_n64_w4s2_x4"),
+               record(DECODE.replace(page_size=0, appends=1), config="contig")])
+        (dec,) = s.records(problem=DECODE)
+        assert dec.problem == DECODE and dec.problem.paged and dec.config == "tdec_n64_w4s2_x4"
+        assert [x.config for x in s.records(problem=DECODE.replace(page_size=0, appends=1))] == ["contig"]
+        assert [x.config for x in s.records(problem=r.problem)] == ["v5rec"]
+    con = sqlite3.connect(path)
+    cols = [row[1] for row in con.execute("PRAGMA table_info(sparktune_records)")]
+    con.close()
+    assert all(cols.count(name) == 1 for name in DECODE_COLUMNS)

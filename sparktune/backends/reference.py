@@ -517,7 +517,7 @@ class ReferenceBackend(Backend):
     name = "reference"
     tunable = False
     #: every feature of docs/FEATURES.md (the math is sequential: deterministic too)
-    features = frozenset(("window", "softcap", "alibi", "dropout", "deterministic", "varlen"))
+    features = frozenset(("window", "softcap", "alibi", "dropout", "deterministic", "varlen", "decode"))
 
     def __init__(self, compute_dtype: torch.dtype = torch.float32) -> None:
         names = {v: k for k, v in _COMPUTE_DTYPES.items()}

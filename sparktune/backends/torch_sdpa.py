@@ -445,7 +445,7 @@ class TorchSDPABackend(Backend):
     name = "torch"
     tunable = True
     #: the union of the configs' (:data:`CONFIG_FEATURES`); each config names what it lacks
-    features = frozenset().union(*CONFIG_FEATURES.values())
+    features = frozenset().union(*CONFIG_FEATURES.values()) | {"decode"}
 
     def unavailable_reasons(self) -> list[str]:
         try:
@@ -455,11 +455,15 @@ class TorchSDPABackend(Backend):
         return []
 
     def configs(self, op: str = "fwd") -> Sequence[str]:
+        if op == "decode":
+            return (AUTO,)  # SDPA's own choice on the sliced cache (docs/DECODING.md)
         return (*CONFIGS, FLEX) if not _flex_unavailable() else tuple(CONFIGS)
 
     def not_supported_reasons(
         self, problem: Problem, config: str | None = None, device: DeviceInfo | None = None
     ) -> list[str]:
+        if problem.op == "decode":
+            return _decode_reasons(problem, config)
         if config is not None:
             return _reasons(problem, config, device)
         per_config = {c: _reasons(problem, c, device) for c in self.configs()}
@@ -469,7 +473,10 @@ class TorchSDPABackend(Backend):
 
     def default_config(self, problem: Problem, device: DeviceInfo | None = None) -> str | None:
         """On a GPU, SDPA's own choice ("auto": what the caller would run instead); elsewhere
-        the first config that runs the problem (the math kernel)."""
+        the first config that runs the problem (the math kernel). Decode: "auto" on the sliced
+        cache."""
+        if problem.op == "decode":
+            return None if _decode_reasons(problem, AUTO) else AUTO
         if device is not None and not _reasons(problem, AUTO, device):
             return AUTO
         return super().default_config(problem, device)
@@ -730,6 +737,21 @@ class TorchSDPABackend(Backend):
         dq.copy_(gq)
         dk.copy_(gk)
         dv.copy_(gv)
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def _decode_reasons(problem: Problem, config: str | None) -> list[str]:
+    """Why SDPA on the sliced cache (sparktune._kvcache.sdpa_decode) cannot run a decode
+    problem; it returns no log-sum-exp, which the call asks of another backend."""
+    reasons = []
+    if config is not None and config != AUTO:
+        reasons.append(f"decode problems run SDPA's own choice on the sliced cache: config {AUTO!r}, "
+                       f"got {config!r}")
+    if problem.softcap:
+        reasons.append("SDPA has no softcap")
+    return reasons
 
 
 # --------------------------------------------------------------------------- features

@@ -104,7 +104,30 @@ def kernel_features() -> frozenset[str]:
     }
     if "deterministic" in bwd:
         names.add("deterministic")
+    names.add("decode")  # the split-KV kernels of triton_decode (docs/DECODING.md)
     return frozenset(names)
+
+
+def _decode_reasons(problem: Problem, config: str | None, device: DeviceInfo | None) -> list[str]:
+    """Why the split-KV decode kernels cannot run a decode problem (with ``config``)."""
+    from ..kernels.triton_decode_space import parse_decode_config, problem_reasons
+
+    reasons = []
+    if device is None:
+        if not _interpret_requested():
+            reasons.append(
+                "decode kernels need CUDA tensors (CPU tensors run only under Triton's "
+                "interpreter, TRITON_INTERPRET=1)"
+            )
+    elif tuple(device.capability) < MIN_CAPABILITY:
+        reasons.append(f"decode kernels need sm_80 or later (device is sm_{device.arch})")
+    reasons += problem_reasons(problem)
+    if config is not None:
+        try:
+            parse_decode_config(config)
+        except ValueError as exc:
+            reasons.append(str(exc))
+    return reasons
 
 
 def _problem_reasons(problem: Problem, device: DeviceInfo | None) -> list[str]:
@@ -154,11 +177,17 @@ class TritonBackend(Backend):
             return tuple(c.name for c in FWD_SPACE)
         if op == "bwd":
             return tuple(c.name for c in BWD_SPACE)
-        raise ValueError(f"op must be 'fwd' or 'bwd', got {op!r}")
+        if op == "decode":
+            from ..kernels.triton_decode_space import DECODE_SPACE
+
+            return DECODE_SPACE
+        raise ValueError(f"op must be 'fwd', 'bwd' or 'decode', got {op!r}")
 
     def not_supported_reasons(
         self, problem: Problem, config: str | None = None, device: DeviceInfo | None = None
     ) -> list[str]:
+        if problem.op == "decode":
+            return _decode_reasons(problem, config, device)
         reasons = _problem_reasons(problem, device)
         if config is None:
             if not reasons and default_config_name(problem, device) is None:
@@ -180,6 +209,12 @@ class TritonBackend(Backend):
         return [*reasons, *config_reasons(cfg, problem, device)]
 
     def default_config(self, problem: Problem, device: DeviceInfo | None = None) -> str | None:
+        if problem.op == "decode":
+            if self.unavailable_reasons() or _decode_reasons(problem, None, device):
+                return None
+            from ..kernels.triton_decode_space import default_decode_config
+
+            return default_decode_config(problem.head_dim)
         if self.unavailable_reasons() or _problem_reasons(problem, device):
             return None
         name = default_config_name(problem, device)
@@ -242,7 +277,10 @@ class TritonBackend(Backend):
         """Compile ``configs`` (default: the heuristic default) for ``problem`` ahead of time;
         returns config name -> compile seconds. With ``processes > 1`` the compilation runs in
         that many worker processes (they fill Triton's on-disk cache, from which this process
-        then loads). A config that fails to compile is logged and left out."""
+        then loads). A config that fails to compile is logged and left out. Decode problems
+        compile on their first check (nothing ahead of time)."""
+        if problem.op == "decode":
+            return {}
         if configs is None:
             name = self.default_config(problem)
             configs = [name] if name else []

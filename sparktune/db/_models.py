@@ -53,6 +53,9 @@ class Measurement(Base):
     varlen: Mapped[bool] = mapped_column(sa.Boolean, default=False, server_default="0")
     total_q: Mapped[int] = mapped_column(sa.Integer, default=0, server_default="0")
     total_k: Mapped[int] = mapped_column(sa.Integer, default=0, server_default="0")
+    # decode problems (schema 6; the rows stored before are dense: 0)
+    page_size: Mapped[int] = mapped_column(sa.Integer, default=0, server_default="0")
+    appends: Mapped[int] = mapped_column(sa.Integer, default=0, server_default="0")
 
     # device fingerprint and kernel-family build
     device_name: Mapped[str] = mapped_column(sa.String(128))

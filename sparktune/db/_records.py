@@ -116,6 +116,9 @@ _FEATURE_FIELDS: dict[str, Any] = {
     "varlen": False,
     "total_q": 0,
     "total_k": 0,
+    # decode problems (docs/DECODING.md)
+    "page_size": 0,
+    "appends": 0,
 }
 
 
@@ -124,8 +127,9 @@ def problem_key(p: Problem) -> str:
     ``fwd:float16:b1:h12/12:n8192/8192:d128:full:acc32`` (``causal`` instead of ``full`` for
     a causal mask, ``acc16`` when FP16 accumulation is allowed), followed by the features that
     are on, in this order: ``:w<left>/<right>`` (a window, -1 unlimited), ``:softcap``,
-    ``:alibi``, ``:dropout``, ``:det`` (deterministic), ``:varlen<total_q>/<total_k>``; a
-    problem without features keeps the key it always had."""
+    ``:alibi``, ``:dropout``, ``:det`` (deterministic), ``:varlen<total_q>/<total_k>``, and for
+    a decode problem (op ``decode``: ``n<Nq>/<cache-length bucket>``) ``:page<size>`` (a paged
+    cache) and ``:new<appends>``; a problem without features keeps the key it always had."""
     key = (
         f"{p.op}:{p.dtype}:b{p.batch}:h{p.heads_q}/{p.heads_kv}:n{p.seqlen_q}/{p.seqlen_k}"
         f":d{p.head_dim}:{'causal' if p.causal else 'full'}"
@@ -140,6 +144,10 @@ def problem_key(p: Problem) -> str:
                 key += f":{text}"
         if p.varlen:
             key += f":varlen{p.total_q}/{p.total_k}"
+        if p.page_size:
+            key += f":page{p.page_size}"
+        if p.appends:
+            key += f":new{p.appends}"
     return key
 
 
@@ -147,7 +155,8 @@ _KEY_RE = re.compile(
     r"^(?P<op>\w+):(?P<dtype>\w+):b(?P<batch>\d+):h(?P<hq>\d+)/(?P<hkv>\d+)"
     r":n(?P<sq>\d+)/(?P<sk>\d+):d(?P<hd>\d+):(?P<mask>causal|full):(?P<acc>acc16|acc32)"
     r"(?::w(?P<wl>-?\d+)/(?P<wr>-?\d+))?(?P<softcap>:softcap)?(?P<alibi>:alibi)?"
-    r"(?P<dropout>:dropout)?(?P<det>:det)?(?::varlen(?P<tq>\d+)/(?P<tk>\d+))?$"
+    r"(?P<dropout>:dropout)?(?P<det>:det)?(?::varlen(?P<tq>\d+)/(?P<tk>\d+))?"
+    r"(?::page(?P<page>\d+))?(?::new(?P<new>\d+))?$"
 )
 
 
@@ -177,6 +186,8 @@ def parse_problem_key(text: str) -> Problem:
         varlen=m["tq"] is not None,
         total_q=int(m["tq"]) if m["tq"] is not None else 0,
         total_k=int(m["tk"]) if m["tk"] is not None else 0,
+        page_size=int(m["page"]) if m["page"] is not None else 0,
+        appends=int(m["new"]) if m["new"] is not None else 0,
     )
 
 

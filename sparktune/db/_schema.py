@@ -19,14 +19,16 @@ __all__ = [
     "SchemaError",
     "SchemaOutdatedError",
     "SchemaTooNewError",
+    "DECODE_COLUMNS",
     "FEATURE_COLUMNS",
+    "KEY_COLUMNS",
     "ensure_schema",
     "record_columns",
     "stored_version",
 ]
 
 #: the schema version this code writes
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 #: the problem-key columns of the attention features (schema 5), with the value of "off"
 FEATURE_COLUMNS = {
@@ -41,9 +43,22 @@ FEATURE_COLUMNS = {
     "total_k": 0,
 }
 
+#: the problem-key columns of decode problems (schema 6), with the value of a dense problem
+DECODE_COLUMNS = {
+    "page_size": 0,
+    "appends": 0,
+}
+
+#: every problem-key column added after schema 4, with the value the rows stored before read as
+KEY_COLUMNS = {**FEATURE_COLUMNS, **DECODE_COLUMNS}
+
 #: columns of the records table added by a later schema version than 2 (the oldest version a
 #: store opened read-only is read at), with that version
-_ADDED_COLUMNS = {"floor_ms": 4, **{name: 5 for name in FEATURE_COLUMNS}}
+_ADDED_COLUMNS = {
+    "floor_ms": 4,
+    **{name: 5 for name in FEATURE_COLUMNS},
+    **{name: 6 for name in DECODE_COLUMNS},
+}
 
 
 def _add_column(conn: Connection, table: sa.Table, name: str) -> None:
@@ -83,12 +98,21 @@ def _v4_to_v5(conn: Connection) -> None:
         _add_column(conn, Measurement.__table__, name)
 
 
+def _v5_to_v6(conn: Connection) -> None:
+    """Decode problems in the problem key (docs/DECODING.md): op "decode", and the cache's page
+    size and the appended tokens as columns. The rows already stored are dense problems: page
+    size 0 and no appends, their keys are what they were."""
+    for name in DECODE_COLUMNS:
+        _add_column(conn, Measurement.__table__, name)
+
+
 #: MIGRATIONS[n] upgrades a store at version n to n + 1, inside one transaction
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {
     1: _v1_to_v2,
     2: _v2_to_v3,
     3: _v3_to_v4,
     4: _v4_to_v5,
+    5: _v5_to_v6,
 }
 
 

@@ -18,14 +18,14 @@ from ..problem import DeviceInfo, Problem
 from ._engine import make_engine, resolve_url, safe_url, sqlite_file, write_connection
 from ._models import Measurement
 from ._records import Record, RecordError
-from ._schema import FEATURE_COLUMNS, SCHEMA_VERSION, ensure_schema, record_columns, stored_version
+from ._schema import KEY_COLUMNS, SCHEMA_VERSION, ensure_schema, record_columns, stored_version
 
 __all__ = ["RowError", "Store", "StoreMissingError", "open_error_text", "with_retry"]
 
 T = TypeVar("T")
 
 _PROBLEM_COLUMNS = ("op", "dtype", "batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim",
-                    "causal", "allow_fp16_accum", *FEATURE_COLUMNS)
+                    "causal", "allow_fp16_accum", *KEY_COLUMNS)
 
 
 #: the oldest schema whose records table this code reads as it is (schema 3 added a table)
@@ -109,8 +109,8 @@ def _to_record(m: Any, source: str) -> Record:
     if when.tzinfo is None:  # SQLite keeps no zone; we always write UTC
         when = when.replace(tzinfo=timezone.utc)
     return Record(
-        # a store read as schema < 5 has no feature columns: its rows are "off"
-        problem=Problem(**{c: getattr(m, c, FEATURE_COLUMNS.get(c)) for c in _PROBLEM_COLUMNS}),
+        # a store read as schema < 5 (< 6) has no feature (decode) columns: its rows are "off"
+        problem=Problem(**{c: getattr(m, c, KEY_COLUMNS.get(c)) for c in _PROBLEM_COLUMNS}),
         device=DeviceInfo(
             name=m.device_name,
             capability=(m.cc_major, m.cc_minor),
@@ -278,7 +278,7 @@ class Store:
             for c in _PROBLEM_COLUMNS:
                 if c in present:
                     stmt = stmt.where(getattr(Measurement, c) == getattr(problem, c))
-                elif getattr(problem, c) != FEATURE_COLUMNS[c]:
+                elif getattr(problem, c) != KEY_COLUMNS[c]:
                     return []  # a store without the feature columns has no such record
         if device is not None:
             stmt = stmt.where(

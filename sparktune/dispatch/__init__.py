@@ -259,8 +259,11 @@ def select(
     *,
     backend: str | None = None,
     config: str | None = None,
+    count: bool = True,
 ) -> Selection:
-    """Choose the kernel for ``problem`` on ``device`` (None: no GPU, CPU tensors)."""
+    """Choose the kernel for ``problem`` on ``device`` (None: no GPU, CPU tensors).
+    ``count``: add the selection to :func:`counters` (a caller that counts its own calls,
+    as the decode path does on its repeated calls, passes False)."""
     key = (problem, device, backend, config)
     sel = _memo.get(key)
     if sel is None:
@@ -270,7 +273,8 @@ def select(
         if len(_memo) >= _MEMO_MAX:
             _memo.clear()
         _memo[key] = sel
-    _counts[sel.source] += 1
+    if count:
+        _counts[sel.source] += 1
     return sel
 
 

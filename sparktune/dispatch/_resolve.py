@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from ..db import Record
 
 __all__ = [
+    "CPU_DECODE_DEFAULT_ORDER",
+    "DECODE_DEFAULT_ORDER",
     "DEFAULT_ORDER",
     "NEAREST_MAX_OCTAVES",
     "SOURCES",
@@ -46,6 +48,12 @@ __all__ = [
 DEFAULT_ORDER = ("torch", "spark", "triton", "reference")
 #: the same before sm_80 (Volta), where SDPA has no flash kernel: sparktune's kernels first
 VOLTA_DEFAULT_ORDER = ("spark", "triton", "torch", "reference")
+#: decode problems on a GPU (docs/DECODING.md): the split-KV Triton kernels (no host sync, CUDA
+#: graph capturable; level with SDPA on the sliced cache under graphs on the H200), then SDPA
+#: on the sliced cache, then the reference math
+DECODE_DEFAULT_ORDER = ("triton", "torch", "reference")
+#: decode problems on CPU tensors: Triton under its interpreter, else the reference math
+CPU_DECODE_DEFAULT_ORDER = ("triton", "reference", "torch")
 #: the first architecture where SDPA's own choice is the default
 SDPA_DEFAULT_MIN_ARCH = 80
 #: a record serves shapes whose seqlen_q and seqlen_k are each within this many octaves
@@ -78,6 +86,8 @@ def _kind(p: Problem) -> tuple[Any, ...]:
     kind = (p.op, p.dtype, p.head_dim, p.causal, p.allow_fp16_accum, p.group_size > 1, p.seqlen_q == p.seqlen_k)
     if p.features:  # a feature (and a window's extent) changes what runs and its cost
         kind += (p.window, p.softcap, p.alibi, p.dropout, p.deterministic, p.varlen)
+    if p.op == "decode":  # a paged cache, its page size and appends change what runs
+        kind += (p.page_size, p.appends > 0)
     return kind
 
 
@@ -159,7 +169,7 @@ def heuristic_default(
     backend's default config (the torch backend's is SDPA's own choice on a GPU)."""
     all_reasons: dict[str, list[str]] = {}
     registered = backends() if registered is None else registered
-    preferred = default_order(device)
+    preferred = default_order(device, problem)
     order = [n for n in preferred if n in registered] + [n for n in registered if n not in preferred]
     for name in order:
         b = registered[name]
@@ -174,17 +184,20 @@ def heuristic_default(
         if cfg is None:
             all_reasons[name] = ["no configuration supports this problem"]
             continue
-        why = (
-            "before sm_80 sparktune's kernels come first (SDPA has no flash path there)"
-            if preferred is VOLTA_DEFAULT_ORDER
-            else "PyTorch SDPA's own choice comes first: no record reaches this shape"
-        )
+        if problem.op == "decode":
+            why = "the decode default order (docs/DECODING.md): no record reaches this shape"
+        elif preferred is VOLTA_DEFAULT_ORDER:
+            why = "before sm_80 sparktune's kernels come first (SDPA has no flash path there)"
+        else:
+            why = "PyTorch SDPA's own choice comes first: no record reaches this shape"
         return Selection(Candidate(name, cfg), "default", f"default for the architecture ({name}: {why})")
     raise NoKernelError(f"no backend can run {problem}:\n" + _reasons_text(all_reasons))
 
 
-def default_order(device: DeviceInfo | None) -> tuple[str, ...]:
+def default_order(device: DeviceInfo | None, problem: Problem | None = None) -> tuple[str, ...]:
     """The backends' order of preference for a problem no record reaches on ``device``."""
+    if problem is not None and problem.op == "decode":
+        return CPU_DECODE_DEFAULT_ORDER if device is None else DECODE_DEFAULT_ORDER
     if device is not None and device.arch < SDPA_DEFAULT_MIN_ARCH:
         return VOLTA_DEFAULT_ORDER
     return DEFAULT_ORDER

@@ -31,16 +31,15 @@ import triton.language as tl
 
 from .triton_attn import _LN2, _LOG2E, INTERPRET, LOG2E, _tanh
 from .triton_decode_space import (
-    MAX_ROWS,
     DecodeConfig,
     default_decode_config,
     num_splits,
     parse_decode_config,
+    problem_reasons,
 )
 
-__all__ = ["decode", "not_supported_reasons", "INTERPRET", "splits_for"]
+__all__ = ["DecodeLauncher", "decode", "not_supported_reasons", "INTERPRET", "splits_for"]
 
-_DTYPES = ("float16", "bfloat16")
 #: head-dim columns per program of the combine kernel (more programs for small batches)
 _COMBINE_DC = 64
 
@@ -233,15 +232,7 @@ def _combine_kernel(Opart, Lpart, Out, Lse, stride_ob, stride_on, stride_oh, seq
 
 def not_supported_reasons(key) -> list[str]:
     """Why the kernels cannot run a :class:`sparktune._kvcache.DecodeKey` (empty: they can)."""
-    out = []
-    if key.dtype not in _DTYPES:
-        out.append(f"triton decode: dtype float16 or bfloat16, got {key.dtype}")
-    if key.head_dim % 8 or not 16 <= key.head_dim <= 256:
-        out.append(f"triton decode: head_dim a multiple of 8 in 16..256, got {key.head_dim}")
-    rows = key.group_size * key.seqlen_q
-    if rows > MAX_ROWS:
-        out.append(f"triton decode: group size * Nq at most {MAX_ROWS}, got {rows}")
-    return out
+    return problem_reasons(key)
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -264,71 +255,109 @@ def _config(name: str | None, head_dim: int) -> DecodeConfig:
     return parse_decode_config(name or default_decode_config(head_dim))
 
 
+class DecodeLauncher:
+    """The launches of one call signature (shapes, strides, dtypes, devices, options: what
+    :func:`sparktune._kvcache.check_kvcache` read), worked out once: the config, the number of
+    splits, the grids, the scalar arguments and the compile-time constants. ``run(inp)``
+    then allocates the outputs and launches the kernels with the call's tensors only."""
+
+    __slots__ = ("batch", "nq", "hq", "splits", "block_m", "block_d", "append", "decode",
+                 "decode_kw", "combine", "combine_kw", "opart_size", "lpart_size", "has_table",
+                 "has_bidx", "has_slopes", "appends", "dev")
+
+    def __init__(self, inp, config: str | None = None) -> None:
+        key = inp.key
+        cfg = _config(config, key.head_dim)
+        q, kc, vc = inp.q, inp.k_cache, inp.v_cache
+        batch, nq, hq, d = q.shape
+        hkv = key.heads_kv
+        group = key.group_size
+        dev = q.device
+        table = inp.block_table
+        bidx = inp.cache_batch_idx
+        slopes = inp.alibi_slopes
+        block_d = _pow2(d)
+        self.batch, self.nq, self.hq, self.dev = batch, nq, hq, dev
+        self.has_table, self.has_bidx, self.has_slopes = table is not None, bidx is not None, slopes is not None
+        self.appends = key.appends
+        self.block_d = block_d
+        t_stride = table.stride(0) if table is not None else 0
+        t_blocks = table.shape[1] if table is not None else 1
+        if key.appends:
+            kn, vn = inp.k, inp.v
+            self.append = (
+                (batch, key.appends),
+                (kn.stride(0), kn.stride(1), kn.stride(2), vn.stride(0), vn.stride(1), vn.stride(2),
+                 kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+                 t_stride, hkv, inp.capacity, kc.shape[0], t_blocks),
+                dict(PAGE_SIZE=inp.page_size, BATCH_IDX=bidx is not None, HEAD_DIM=d,
+                     BLOCK_H=_pow2(hkv, 1), BLOCK_D=block_d, num_warps=1),
+            )
+        else:
+            self.append = None
+        splits = splits_for(cfg, key, dev, inp.capacity)
+        block_m = _pow2(group * nq)
+        self.splits, self.block_m = splits, block_m
+        self.opart_size = batch * hkv * splits * block_m * block_d
+        self.lpart_size = batch * hkv * splits * block_m
+        left, right = inp.window
+        softcap = inp.softcap
+        scale = inp.scale
+        # out is allocated dense in q's shape: its strides are those of a contiguous tensor
+        o_strides = (nq * hq * d, hq * d, d)
+        self.decode = (
+            (splits, batch * hkv),
+            (q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1), kc.stride(2),
+             vc.stride(0), vc.stride(1), vc.stride(2), *o_strides, t_stride,
+             slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,
+             key.appends, nq, group, hkv, inp.capacity, kc.shape[0], t_blocks,
+             scale * LOG2E, (scale / softcap) if softcap > 0 else 0.0, softcap * LOG2E,
+             left, right, splits),
+        )
+        self.decode_kw = dict(
+            PAGE_SIZE=inp.page_size, BATCH_IDX=bidx is not None, CAUSAL=inp.causal,
+            WINDOW_L=left >= 0, WINDOW_R=right >= 0, SOFTCAP=softcap > 0, ALIBI=slopes is not None,
+            SPLIT=splits > 1, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+            num_warps=cfg.warps, num_stages=cfg.stages,
+        )
+        if splits > 1:
+            block_dc = min(block_d, _COMBINE_DC)
+            self.combine = ((batch * hkv, group * nq, block_d // block_dc),
+                            (*o_strides, nq, group, hkv, splits))
+            self.combine_kw = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m,
+                                   BLOCK_S=_pow2(splits, 2), BLOCK_DC=block_dc, num_warps=4)
+        else:
+            self.combine = self.combine_kw = None
+
+    def run(self, inp, seqlens: torch.Tensor, return_lse: bool = False):
+        """Launch on a call of this signature (``seqlens``: its int32 lengths on the device)."""
+        q = inp.q
+        dev = self.dev
+        table = inp.block_table if self.has_table else seqlens
+        bidx = inp.cache_batch_idx if self.has_bidx else seqlens
+        if self.append is not None:
+            grid, scalars, kw = self.append
+            _append_kernel[grid](inp.k, inp.v, inp.k_cache, inp.v_cache, seqlens, table, bidx,
+                                 *scalars, **kw)
+        out = torch.empty(q.shape, dtype=q.dtype, device=dev)
+        lse = torch.empty(self.batch, self.hq, self.nq, dtype=torch.float32, device=dev)
+        if self.combine is not None:
+            opart = torch.empty(self.opart_size, dtype=torch.float32, device=dev)
+            lpart = torch.empty(self.lpart_size, dtype=torch.float32, device=dev)
+        else:
+            opart = lpart = lse
+        grid, scalars = self.decode
+        _decode_kernel[grid](q, inp.k_cache, inp.v_cache, seqlens, table, bidx,
+                             inp.alibi_slopes if self.has_slopes else lse, out, lse, opart, lpart,
+                             *scalars, **self.decode_kw)
+        if self.combine is not None:
+            grid, scalars = self.combine
+            _combine_kernel[grid](opart, lpart, out, lse, *scalars, **self.combine_kw)
+        return (out, lse) if return_lse else out
+
+
 def decode(inp, *, config: str | None = None, return_lse: bool = False):
     """Run a checked :class:`sparktune._kvcache.DecodeInputs`: append, split-KV, combine."""
     from .._kvcache import seqlens_tensor
 
-    key = inp.key
-    cfg = _config(config, key.head_dim)
-    q, kc, vc = inp.q, inp.k_cache, inp.v_cache
-    batch, nq, hq, d = q.shape
-    hkv = key.heads_kv
-    group = key.group_size
-    dev = q.device
-    seqlens = seqlens_tensor(inp)
-    table = inp.block_table
-    bidx = inp.cache_batch_idx
-    dummy_i = seqlens
-    block_d = _pow2(d)
-    if key.appends:
-        kn, vn = inp.k, inp.v
-        _append_kernel[(batch, key.appends)](
-            kn, vn, kc, vc, seqlens, table if table is not None else dummy_i,
-            bidx if bidx is not None else dummy_i,
-            kn.stride(0), kn.stride(1), kn.stride(2), vn.stride(0), vn.stride(1), vn.stride(2),
-            kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
-            table.stride(0) if table is not None else 0,
-            hkv, inp.capacity, kc.shape[0], table.shape[1] if table is not None else 1,
-            PAGE_SIZE=inp.page_size, BATCH_IDX=bidx is not None, HEAD_DIM=d,
-            BLOCK_H=_pow2(hkv, 1), BLOCK_D=block_d, num_warps=1,
-        )
-    out = torch.empty(q.shape, dtype=q.dtype, device=dev)
-    lse = torch.empty(batch, hq, nq, dtype=torch.float32, device=dev)
-    splits = splits_for(cfg, key, dev, inp.capacity)
-    block_m = _pow2(group * nq)
-    if splits > 1:
-        opart = torch.empty(batch * hkv * splits * block_m * block_d, dtype=torch.float32,
-                            device=dev)
-        lpart = torch.empty(batch * hkv * splits * block_m, dtype=torch.float32, device=dev)
-    else:
-        opart = lpart = lse
-    left, right = inp.window
-    softcap = inp.softcap
-    slopes = inp.alibi_slopes
-    scale = inp.scale
-    _decode_kernel[(splits, batch * hkv)](
-        q, kc, vc, seqlens, table if table is not None else dummy_i,
-        bidx if bidx is not None else dummy_i, slopes if slopes is not None else lse,
-        out, lse, opart, lpart,
-        q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1), kc.stride(2),
-        vc.stride(0), vc.stride(1), vc.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        table.stride(0) if table is not None else 0,
-        slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,
-        key.appends, nq, group, hkv, inp.capacity, kc.shape[0],
-        table.shape[1] if table is not None else 1,
-        scale * LOG2E, (scale / softcap) if softcap > 0 else 0.0, softcap * LOG2E,
-        left, right, splits,
-        PAGE_SIZE=inp.page_size, BATCH_IDX=bidx is not None, CAUSAL=inp.causal,
-        WINDOW_L=left >= 0, WINDOW_R=right >= 0, SOFTCAP=softcap > 0, ALIBI=slopes is not None,
-        SPLIT=splits > 1, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        num_warps=cfg.warps, num_stages=cfg.stages,
-    )
-    if splits > 1:
-        block_dc = min(block_d, _COMBINE_DC)
-        _combine_kernel[(batch * hkv, group * nq, block_d // block_dc)](
-            opart, lpart, out, lse, out.stride(0), out.stride(1), out.stride(2), nq, group, hkv,
-            splits, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_S=_pow2(splits, 2),
-            BLOCK_DC=block_dc, num_warps=4,
-        )
-    return (out, lse) if return_lse else out
-
+    return DecodeLauncher(inp, config).run(inp, seqlens_tensor(inp), return_lse)

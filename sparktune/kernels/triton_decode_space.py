@@ -24,6 +24,7 @@ __all__ = [
     "parse_decode_config",
     "default_decode_config",
     "num_splits",
+    "problem_reasons",
 ]
 
 #: splits per (sequence, kv head) at most (the combine kernel holds one lse per split)
@@ -60,6 +61,24 @@ class DecodeConfig:
         if self.splits > MAX_SPLITS or self.split_mult > MAX_SPLITS:
             out.append(f"splits at most {MAX_SPLITS}")
         return out
+
+
+_DTYPES = ("float16", "bfloat16")
+
+
+def problem_reasons(key) -> list[str]:
+    """Why the kernels cannot run a decode problem (a :class:`sparktune.problem.Problem` of op
+    "decode" or a :class:`sparktune._kvcache.DecodeKey`: anything with ``dtype``,
+    ``head_dim``, ``group_size`` and ``seqlen_q``); empty when they can."""
+    out = []
+    if key.dtype not in _DTYPES:
+        out.append(f"triton decode: dtype float16 or bfloat16, got {key.dtype}")
+    if key.head_dim % 8 or not 16 <= key.head_dim <= 256:
+        out.append(f"triton decode: head_dim a multiple of 8 in 16..256, got {key.head_dim}")
+    rows = key.group_size * key.seqlen_q
+    if rows > MAX_ROWS:
+        out.append(f"triton decode: group size * Nq at most {MAX_ROWS}, got {rows}")
+    return out
 
 
 def parse_decode_config(name: str) -> DecodeConfig:
