@@ -70,6 +70,48 @@ def test_budget_backends_aliases_and_dedup():
     assert r.problems == (Problem("fwd", "bfloat16", 1, 8, 2, 256, 512, 128, False),)
 
 
+def test_decode_recipe():
+    r = load_recipe(RECIPES / "decode.yaml")
+    assert r.name == "decode" and len(r.problems) == 24
+    assert {p.op for p in r.problems} == {"decode"}
+    assert {(p.batch, p.seqlen_k, p.page_size) for p in r.problems} == {
+        (b, c, ps) for b in (1, 8, 64) for c in (1024, 8192, 32768, 131072) for ps in (0, 256)
+    }
+    assert {(p.heads_q, p.heads_kv, p.head_dim, p.dtype, p.seqlen_q, p.causal, p.appends)
+            for p in r.problems} == {(32, 8, 128, "bfloat16", 1, True, 0)}
+
+
+DECODE = """\
+name: d
+shapes:
+  - {ops: decode, heads: 8, heads_kv: 2, head_dim: 64, cache_len: 3000}
+"""
+
+
+def test_decode_shape_defaults_and_bucket():
+    (p,) = parse_recipe(DECODE).problems
+    assert p == Problem("decode", "float16", 1, 8, 2, 1, 4096, 64, True)
+    (p,) = parse_recipe(DECODE.replace("cache_len: 3000", "cache_len: 512, page_size: 16, appends: 2, "
+                                       "seqlen: 4, softcap: true, window_left: 100")).problems
+    assert (p.seqlen_q, p.seqlen_k, p.page_size, p.appends, p.softcap, p.window) == (4, 512, 16, 2, True, (100, -1))
+
+
+@pytest.mark.parametrize(
+    ("text", "expect"),
+    [
+        (DECODE.replace(", cache_len: 3000", ""), "r.yaml:3: shapes[0].cache_len: missing"),
+        (DECODE.replace("ops: decode", "ops: [decode, fwd]"), "r.yaml:3: shapes[0].ops: a shape is decode or fwd/bwd"),
+        (DECODE.replace("cache_len: 3000", "cache_len: 3000, dropout: true"), "r.yaml:3: shapes[0].dropout: not for decode shapes"),
+        (DECODE.replace("cache_len: 3000", "cache_len: 3000, page_size: -1"), "r.yaml:3: shapes[0].page_size: expected an integer >= 0"),
+        (DECODE.replace("cache_len: 3000", "cache_len: 64, page_size: 128"), "r.yaml:3: shapes[0]: page_size (128) must not exceed"),
+        (MINIMAL.replace("head_dim: 64", "head_dim: 64, cache_len: 1024"), "r.yaml:3: shapes[0].cache_len: for decode shapes only"),
+    ],
+)
+def test_decode_recipe_errors(text, expect):
+    issues = _issues(text)
+    assert any(i.startswith(expect) for i in issues), issues
+
+
 def _issues(text: str) -> list[str]:
     with pytest.raises(RecipeError) as info:
         parse_recipe(text, "r.yaml")
@@ -86,7 +128,7 @@ def _issues(text: str) -> list[str]:
         (MINIMAL.replace("seqlen: 128", "seqlen: [128, -1]"), "r.yaml:3: shapes[0].seqlen: expected a positive integer, got -1"),
         (MINIMAL + "  - {seqlen: 64, heads: 4, head_dim: 64, causal: maybe}\n", "r.yaml:4: shapes[1].causal: expected true or false"),
         (MINIMAL + "  - {seqlen: 64, heads: 4, head_dim: 64, dtype: fp8}\n", "r.yaml:4: shapes[1].dtype: expected one of"),
-        (MINIMAL + "  - {seqlen: 64, heads: 4, head_dim: 64, ops: [fwd, sideways]}\n", "r.yaml:4: shapes[1].ops: expected fwd or bwd, got 'sideways'"),
+        (MINIMAL + "  - {seqlen: 64, heads: 4, head_dim: 64, ops: [fwd, sideways]}\n", "r.yaml:4: shapes[1].ops: expected fwd, bwd or decode, got 'sideways'"),
         (MINIMAL + "  - {seqlen: 64, heads: 6, heads_kv: 4, head_dim: 64}\n", "r.yaml:4: shapes[1]: heads_q (6) must be a multiple of heads_kv (4)"),
         (MINIMAL + "  - {seqlen: 100, tokens: 1024, heads: 4, head_dim: 64}\n", "r.yaml:4: shapes[1].tokens: 1024 tokens is not a multiple of seqlen 100"),
         (MINIMAL + "  - {seqlen: 64, tokens: 1024, batch: 2, heads: 4, head_dim: 64}\n", "r.yaml:4: shapes[1]: give batch or tokens, not both"),

@@ -198,3 +198,55 @@ def test_split_rule():
     assert space.num_splits(cfg, 1, 8, 132, 100) == 2
     assert space.num_splits(space.parse_decode_config("tdec_n64_w4s2_p200".replace("200", "100")),
                             1, 1, 1, 10**6) == 100
+
+
+def test_interp_repeated_calls_reuse_the_plan_and_stay_exact(request, monkeypatch):
+    """Calls of one signature after the first reuse its checked plan and launcher; new length
+    values (the same signature) and new caches still give the definition's answer."""
+    if _delegated(request):
+        return
+    import sparktune
+    from sparktune import _kvcache
+
+    checked = []
+    real = _kvcache.check_kvcache
+    monkeypatch.setattr(_kvcache, "check_kvcache", lambda *a, **k: checked.append(1) or real(*a, **k))
+    _kvcache._plans.clear()  # the earlier tests planned calls of this signature
+    for i, seqlens in enumerate(((9, 8, 33), (40, 0, 12), (1, 46, 2))):
+        case = make_case(dtype=torch.float16, seed=i, page_size=8, appends=2, seqlens=seqlens)
+        _check(case, "tdec_n16_w1s1_p3")
+    assert len(checked) == 1
+
+
+def test_interp_tuner_checks_and_stores_triton_decode_candidates(request, tmp_path):
+    """The tuner lists the decode configs, checks each candidate against the reference before
+    it is timed and stores the records; dispatch then runs the winner."""
+    if _delegated(request):
+        return
+    from sparktune import dispatch
+    from sparktune.db import Store
+    from sparktune.problem import DeviceInfo, Problem
+    from sparktune.tune import CostTimer, Tuner
+
+    dev = DeviceInfo("interpreter stand-in", (9, 0), 4)
+    p = Problem("decode", "float16", 2, 4, 2, 2, 64, 32, True, page_size=16, appends=1)
+
+    def cost(cand, problem):
+        return 0.5 if cand is not None and cand.label == "triton:tdec_n64_w4s2_x4" else 1.0
+
+    with Store(tmp_path / "t.sqlite3") as store:
+        tuner = Tuner(device=dev, torch_device="cpu", store=store, backends=["triton", "torch"],
+                      timer=CostTimer(cost), trials=3, screen_timer=False, baseline=False)
+        result = tuner.tune(p)
+        assert {m.status for m in result.measurements} == {"ok"}, [m.message for m in result.measurements]
+        labels = [m.candidate.label for m in result.measurements]
+        assert labels[:2] == ["triton:tdec_n64_w4s2_x4", "torch:auto"] and len(labels) == 3
+        assert all(m.error <= m.error_limit for m in result.measurements)
+        assert result.best.candidate.label == "triton:tdec_n64_w4s2_x4"
+        assert len(store.records(problem=p)) == 3
+        dispatch.configure(store.url)
+        try:
+            sel = dispatch.select(p, dev)
+            assert (sel.candidate.label, sel.source) == ("triton:tdec_n64_w4s2_x4", "tuned")
+        finally:
+            dispatch.configure(None)

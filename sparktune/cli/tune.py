@@ -26,9 +26,10 @@ def add_parser(subparsers: Any) -> None:
     shape.add_argument("--heads", type=int, metavar="N", help="query heads (required without --recipe)")
     shape.add_argument("--heads-kv", type=int, metavar="N", help="key/value heads, for GQA (default: --heads)")
     shape.add_argument("--head-dim", type=int, default=128, metavar="D", help="head dimension (default 128)")
-    shape.add_argument("--causal", action=argparse.BooleanOptionalAction, default=False, help="causal mask (default off)")
+    shape.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
+                       help="causal mask (default off; on with --decode)")
     shape.add_argument("--dtype", default="float16", help="float16 (fp16) or bfloat16 (bf16); default float16")
-    shape.add_argument("--op", choices=("fwd", "bwd", "both"), default="both", help="forward, backward or both (default)")
+    shape.add_argument("--op", choices=("fwd", "bwd", "both"), default=None, help="forward, backward or both (default)")
     shape.add_argument(
         "--allow-fp16-accum", action="store_true", help="also tune kernels that accumulate in float16 (less accurate)"
     )
@@ -44,6 +45,19 @@ def add_parser(subparsers: Any) -> None:
                        help="packed variable-length batch: comma-separated query lengths, e.g. 4096,2048,1024 "
                        "(replaces --seqlen and --batch)")
     feats.add_argument("--varlen-k", metavar="LENGTHS", help="key lengths of the packed batch (default: --varlen)")
+    dec = p.add_argument_group(
+        "decoding against a KV cache (docs/DECODING.md; ignored with --recipe)",
+        "--decode tunes sparktune.attention_with_kvcache for --batch sequences of --nq queries with "
+        "--heads/--heads-kv/--head-dim against a cache of --cache-len keys (the key holds its "
+        "power-of-two bucket), contiguous or --paged; --window, --softcap and --alibi apply.",
+    )
+    dec.add_argument("--decode", action="store_true", help="tune the decode problem instead of fwd/bwd")
+    dec.add_argument("--cache-len", type=int, metavar="N", help="the cache's capacity in keys (required with --decode)")
+    dec.add_argument("--nq", type=int, default=1, metavar="N", help="queries per sequence (default 1)")
+    dec.add_argument("--paged", action="store_true", help="a paged cache (pages of --page-size keys)")
+    dec.add_argument("--page-size", type=int, metavar="N", help="keys per page of a paged cache (default 256)")
+    dec.add_argument("--appends", type=int, default=0, metavar="N",
+                     help="new tokens written into the cache before attending (default 0)")
     p.add_argument("--recipe", metavar="FILE", help="tune the shapes of a recipe (YAML, see recipes/)")
     budget = p.add_argument_group("budget (per problem and op)")
     budget.add_argument("--trials", type=int, metavar="N", help="trials (default: the recipe's, else 100); every "
@@ -108,6 +122,14 @@ def problems_from_args(args: argparse.Namespace) -> tuple[list[Any], dict[str, A
             "backends": recipe.backends,
             "name": recipe.name,
         }
+    if getattr(args, "decode", False):
+        return [_decode_problem(args)], {}
+    for flag in ("cache_len", "page_size"):
+        if getattr(args, flag, None) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --decode")
+    for flag, off in (("paged", False), ("appends", 0), ("nq", 1)):
+        if getattr(args, flag, off) != off:
+            raise ValueError(f"--{flag} needs --decode")
     varlen = getattr(args, "varlen", None)
     varlen_k = getattr(args, "varlen_k", None)
     if varlen_k is not None and varlen is None:
@@ -118,7 +140,8 @@ def problems_from_args(args: argparse.Namespace) -> tuple[list[Any], dict[str, A
     dtype = DTYPE_ALIASES.get(args.dtype.lower())
     if dtype is None:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPE_ALIASES)}, got {args.dtype!r}")
-    ops = ("fwd", "bwd") if args.op == "both" else (args.op,)
+    ops = ("fwd", "bwd") if args.op in (None, "both") else (args.op,)
+    causal = bool(args.causal)
     deterministic = bool(getattr(args, "deterministic", False))
     if deterministic and ops == ("fwd",):
         raise ValueError("--deterministic is a property of the backward: use --op bwd or both")
@@ -134,7 +157,7 @@ def problems_from_args(args: argparse.Namespace) -> tuple[list[Any], dict[str, A
 
     fields = feature_fields(
         window=tuple(args.window) if getattr(args, "window", None) else (-1, -1),
-        causal=args.causal,
+        causal=causal,
         seqlen_q=args.seqlen,
         seqlen_k=args.seqlen_k or args.seqlen,
         softcap=getattr(args, "softcap", False),
@@ -156,7 +179,7 @@ def problems_from_args(args: argparse.Namespace) -> tuple[list[Any], dict[str, A
             heads_q=args.heads,
             heads_kv=args.heads_kv or args.heads,
             head_dim=args.head_dim,
-            causal=args.causal,
+            causal=causal,
             allow_fp16_accum=args.allow_fp16_accum,
             deterministic=deterministic and op == "bwd",
             **shape,
@@ -164,6 +187,52 @@ def problems_from_args(args: argparse.Namespace) -> tuple[list[Any], dict[str, A
         for op in ops
     ]
     return problems, {}
+
+
+def _decode_problem(args: argparse.Namespace) -> Any:
+    """The decode Problem of ``--decode`` (ValueError naming the flag when one is wrong)."""
+    from .._kvcache import cache_bucket
+    from ..problem import Problem
+    from ..tune import DTYPE_ALIASES, feature_fields
+
+    dense_only = [flag for flag, given in (
+        ("--seqlen", args.seqlen is not None), ("--seqlen-k", args.seqlen_k is not None),
+        ("--op", args.op is not None), ("--allow-fp16-accum", args.allow_fp16_accum),
+        ("--dropout", getattr(args, "dropout", False)),
+        ("--deterministic", getattr(args, "deterministic", False)),
+        ("--varlen", getattr(args, "varlen", None) is not None),
+    ) if given]  # fmt: skip
+    if dense_only:
+        raise ValueError(f"{', '.join(dense_only)}: not for --decode (a decode problem has --nq queries "
+                         "against --cache-len keys, inference only)")
+    if args.heads is None or args.cache_len is None:
+        missing = [f for f, v in (("--heads", args.heads), ("--cache-len", args.cache_len)) if v is None]
+        raise ValueError(f"--decode needs {' and '.join(missing)}")
+    for flag, value, least in (("--cache-len", args.cache_len, 1), ("--nq", args.nq, 1),
+                               ("--appends", args.appends, 0), ("--batch", args.batch, 1)):
+        if value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value}")
+    if args.page_size is not None and not args.paged:
+        raise ValueError("--page-size needs --paged")
+    page_size = (args.page_size if args.page_size is not None else 256) if args.paged else 0
+    if args.paged and not 1 <= page_size <= args.cache_len:
+        raise ValueError(f"--page-size must be between 1 and --cache-len ({args.cache_len}), got {page_size}")
+    if args.appends > args.cache_len:
+        raise ValueError(f"--appends ({args.appends}) must not exceed --cache-len ({args.cache_len})")
+    dtype = DTYPE_ALIASES.get(args.dtype.lower())
+    if dtype is None:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPE_ALIASES)}, got {args.dtype!r}")
+    causal = True if args.causal is None else args.causal
+    fields = feature_fields(
+        window=tuple(args.window) if getattr(args, "window", None) else (-1, -1), causal=causal,
+        softcap=getattr(args, "softcap", False), alibi=getattr(args, "alibi", False),
+    )
+    fields.pop("dropout")
+    return Problem(
+        op="decode", dtype=dtype, batch=args.batch, heads_q=args.heads, heads_kv=args.heads_kv or args.heads,
+        seqlen_q=args.nq, seqlen_k=cache_bucket(args.cache_len), head_dim=args.head_dim, causal=causal,
+        page_size=page_size, appends=args.appends, **fields,
+    )
 
 
 def _check_budget(args: argparse.Namespace) -> None:
@@ -356,7 +425,8 @@ def _report(r: Any, top: int) -> str:
     from ..db import problem_key
 
     head = f"\n{problem_key(r.problem)}  ({r.mode}, {r.trials} trials, {r.wall_s:.1f} s"
-    head += f"; PyTorch SDPA default {r.baseline.median_ms:.4g} ms)" if r.baseline else ")"
+    sdpa = "PyTorch SDPA on the sliced cache" if r.problem.op == "decode" else "PyTorch SDPA default"
+    head += f"; {sdpa} {r.baseline.median_ms:.4g} ms)" if r.baseline else ")"
     lines = [head]
     if r.stopped:
         lines.append(f"  stopped: {r.stopped}")
@@ -365,15 +435,18 @@ def _report(r: Any, top: int) -> str:
         lines.append("  no candidate passed the reference check and ran")
     else:
         rows = []
+        decode = r.problem.op == "decode"  # K/V bandwidth: the measure of a decode kernel
         for i, m in enumerate(ranked[:top], 1):
             t = m.timing
             q1, q3 = t.quartiles_ms
             sp = r.speedup(m)
+            rate = (f"{r.problem.bytes_read() / (t.median_ms * 1e-3) / 1e9:.0f}" if decode
+                    else f"{m.tflops:.1f}")
             rows.append([
-                str(i), m.candidate.label, f"{t.median_ms:.4g}", f"{q1:.4g}-{q3:.4g}", f"{m.tflops:.1f}",
+                str(i), m.candidate.label, f"{t.median_ms:.4g}", f"{q1:.4g}-{q3:.4g}", rate,
                 f"{sp:.2f}x" if sp is not None else "-", f"{m.error:.2g}" if m.error is not None else "-",
             ])
-        header = ["#", "candidate", "median ms", "q1-q3 ms", "TFLOP/s", "vs SDPA", "error"]
+        header = ["#", "candidate", "median ms", "q1-q3 ms", "GB/s" if decode else "TFLOP/s", "vs SDPA", "error"]
         widths = [max(len(h), *(len(x[i]) for x in rows)) for i, h in enumerate(header)]
         lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip())
         lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(x, widths, strict=True)).rstrip() for x in rows]

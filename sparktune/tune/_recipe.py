@@ -20,6 +20,13 @@ false), and the attention features (docs/FEATURES.md): ``window_left``/``window_
 side), ``softcap``, ``alibi``, ``dropout`` (default false) and ``deterministic`` (default
 false; for the backward only).
 
+Decode shapes (``ops: decode``, docs/DECODING.md; a shape is decode or fwd/bwd, not both):
+``cache_len`` (required: the cache's capacity; the problem holds its power-of-two bucket),
+``seqlen`` the queries per sequence (default 1), ``page_size`` (0, the default: a contiguous
+cache), ``appends`` (default 0); ``causal`` defaults to true; windows, ``softcap`` and
+``alibi`` apply; ``seqlen_k``, ``tokens``, ``allow_fp16_accum``, ``dropout`` and
+``deterministic`` do not.
+
 Loading is safe (no Python objects); every error names the file, the line and the field.
 """
 
@@ -47,8 +54,11 @@ _BUDGET_FIELDS = ("trials", "timeout")
 _SHAPE_FIELDS = (
     "dtype", "head_dim", "causal", "heads", "heads_kv", "seqlen", "seqlen_k", "batch", "tokens",
     "allow_fp16_accum", "ops", "window_left", "window_right", "softcap", "alibi", "dropout",
-    "deterministic",
+    "deterministic", "cache_len", "page_size", "appends",
 )
+#: the shape fields of decode shapes only, and of fwd/bwd shapes only
+_DECODE_ONLY = ("cache_len", "page_size", "appends")
+_DENSE_ONLY = ("seqlen_k", "tokens", "allow_fp16_accum", "dropout", "deterministic")
 
 
 @dataclass(frozen=True)
@@ -207,8 +217,12 @@ def _values(c: _Checker, raw: Any, line: int, fld: str, kind: str) -> list[Any] 
                 return None
             v = DTYPE_ALIASES[v.lower()]
         elif kind == "op":
-            if v not in ("fwd", "bwd"):
-                c.err(ln, fld, f"expected fwd or bwd, got {_show(v)}")
+            if v not in ("fwd", "bwd", "decode"):
+                c.err(ln, fld, f"expected fwd, bwd or decode, got {_show(v)}")
+                return None
+        elif kind == "count":
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                c.err(ln, fld, f"expected an integer >= 0, got {_show(v)}")
                 return None
         out.append(v)
     return out
@@ -218,7 +232,8 @@ _KINDS = {
     "dtype": "dtype", "head_dim": "int", "causal": "bool", "heads": "int", "heads_kv": "int",
     "seqlen": "int", "seqlen_k": "int", "batch": "int", "tokens": "int", "allow_fp16_accum": "bool",
     "ops": "op", "window_left": "window", "window_right": "window", "softcap": "bool", "alibi": "bool",
-    "dropout": "bool", "deterministic": "bool",
+    "dropout": "bool", "deterministic": "bool", "cache_len": "int", "page_size": "count",
+    "appends": "count",
 }
 
 
@@ -238,6 +253,19 @@ def _expand(c: _Checker, shape: _Map, defaults: _Map | None, fld: str) -> list[P
             ok = False
         else:
             vals[key] = v
+    if not ok:
+        return []
+    ops = vals.get("ops", ["fwd", "bwd"])
+    if "decode" in ops:
+        if set(ops) != {"decode"}:
+            c.err(merged["ops"][1], f"{merged['ops'][2]}.ops", "a shape is decode or fwd/bwd, not both "
+                  "(give the decode shapes their own entry)")
+            return []
+        return _expand_decode(c, shape, merged, vals, fld)
+    for key in _DECODE_ONLY:
+        if key in merged:
+            c.err(merged[key][1], f"{merged[key][2]}.{key}", "for decode shapes only (ops: decode)")
+            ok = False
     for key in ("seqlen", "heads", "head_dim"):
         if key not in merged:
             c.err(shape.line, f"{fld}.{key}", "missing (give it in the shape or in defaults)")
@@ -293,6 +321,51 @@ def _expand(c: _Checker, shape: _Map, defaults: _Map | None, fld: str) -> list[P
             except ValueError as e:
                 c.err(shape.line, fld, str(e))
                 return []
+    return problems
+
+
+def _expand_decode(c: _Checker, shape: _Map, merged: dict[str, tuple[Any, int, str]],
+                   vals: dict[str, list[Any]], fld: str) -> list[Problem]:
+    """The decode problems of a shape with ``ops: decode`` (already checked field by field)."""
+    from .._kvcache import cache_bucket
+
+    ok = True
+    for key in _DENSE_ONLY:
+        if key in merged:
+            c.err(merged[key][1], f"{merged[key][2]}.{key}", "not for decode shapes (ops: decode)")
+            ok = False
+    for key in ("cache_len", "heads", "head_dim"):
+        if key not in merged:
+            c.err(shape.line, f"{fld}.{key}", "missing (give it in the shape or in defaults)")
+            ok = False
+    if not ok:
+        return []
+    vals.setdefault("dtype", ["float16"])
+    vals.setdefault("causal", [True])
+    vals.setdefault("seqlen", [1])
+    axes = ["dtype", "head_dim", "causal", "heads", "heads_kv", "seqlen", "batch", "cache_len", "page_size",
+            "appends", "window_left", "window_right", "softcap", "alibi"]
+    present = [a for a in axes if a in vals]
+    problems: list[Problem] = []
+    for combo in itertools.product(*(vals[a] for a in present)):
+        d = dict(zip(present, combo, strict=True))
+        try:
+            fields = feature_fields(
+                window=(d.get("window_left", -1), d.get("window_right", -1)), causal=d["causal"],
+                softcap=d.get("softcap", False), alibi=d.get("alibi", False),
+            )  # fmt: skip
+            fields.pop("dropout")
+            problems.append(
+                Problem(
+                    op="decode", dtype=d["dtype"], batch=d.get("batch", 1), heads_q=d["heads"],
+                    heads_kv=d.get("heads_kv", d["heads"]), seqlen_q=d["seqlen"],
+                    seqlen_k=cache_bucket(d["cache_len"]), head_dim=d["head_dim"], causal=d["causal"],
+                    page_size=d.get("page_size", 0), appends=d.get("appends", 0), **fields,
+                )  # fmt: skip
+            )
+        except ValueError as e:
+            c.err(shape.line, fld, str(e))
+            return []
     return problems
 
 

@@ -611,6 +611,7 @@ class Tuner:
         from optuna.trial import TrialState
 
         from ..dispatch import build_id
+        from ._decode_workload import DecodeWorkload
         from ._workload import Workload
 
         start = time.monotonic()
@@ -656,7 +657,10 @@ class Tuner:
             self._phase("warmup", t0)
         screen = self.screen_timer if planned > SCREEN_ABOVE else None
 
-        workload = Workload(problem, self.torch_device, seed=self.seed)
+        if problem.op == "decode":
+            workload: Any = DecodeWorkload(problem, self.torch_device, seed=self.seed)
+        else:
+            workload = Workload(problem, self.torch_device, seed=self.seed)
         deadline = start + self.timeout if self.timeout is not None else None
         asks = 0
         # the budget counts measured candidates: a trial that proposes a measured candidate
