@@ -619,6 +619,8 @@ def choose_decode(key: DecodeKey, device: torch.device, need_lse: bool = False,
 
     global _memo_generation
     dev = str(device)
+    if backend is None and config is not None:
+        raise ValueError("config= needs backend= too (a config name belongs to one backend)")
     if backend is not None:
         forced_key = (key, dev, need_lse, backend, config)
         if forced_key not in _forced_ok:
@@ -709,16 +711,16 @@ def _meta(t: Any) -> Any:
 def _run(plan: _Plan, inp: DecodeInputs, return_lse: bool):
     choice = plan.choice
     name = choice.backend
+    if name == "triton":  # kernels and empty outputs: nothing autograd records
+        cs = inp.cache_seqlens
+        if isinstance(cs, torch.Tensor):
+            seqlens = cs
+        else:
+            seqlens = plan.seqlens
+            if seqlens is None:
+                seqlens = plan.seqlens = seqlens_tensor(inp)
+        return plan.launcher.run(inp, seqlens, return_lse)
     with torch.no_grad():
-        if name == "triton":
-            cs = inp.cache_seqlens
-            if isinstance(cs, torch.Tensor):
-                seqlens = cs
-            else:
-                seqlens = plan.seqlens
-                if seqlens is None:
-                    seqlens = plan.seqlens = seqlens_tensor(inp)
-            return plan.launcher.run(inp, seqlens, return_lse)
         append_kv(inp)
         if name == "torch":
             return sdpa_decode(inp, return_lse)

@@ -225,6 +225,20 @@ def test_tuned_record_wins_and_repeated_calls_hit_the_plan(stand_in_gpu, monkeyp
     kv._plans.clear()
 
 
+def test_explain_a_decode_problem(stand_in_gpu):
+    with Store(stand_in_gpu) as s:
+        s.add([record(TINY, backend="torch", config="auto", median=0.01)])
+    dispatch.reload()
+    text = str(dispatch.explain(TINY, DEVICE))
+    assert "problem:  decode:bfloat16:b2:h4/2:n1/64:d32:causal:acc32" in text
+    assert "choice:   torch:auto (tuned)" in text
+    assert f"{TINY.bytes_read() / 1e-5 / 1e9:.0f} GB/s of K/V" in text
+    near = str(dispatch.explain(TINY.replace(batch=4), DEVICE))
+    assert "choice:   torch:auto (nearest)" in near
+    other_kind = str(dispatch.explain(TINY.replace(page_size=16), DEVICE))
+    assert "(default)" in other_kind  # a paged cache is another kind: no nearest from contiguous
+
+
 def test_repeated_call_still_checks_what_the_signature_cannot(stand_in_gpu):
     q, kc, vc, lens = _tensors()
     with torch.no_grad():
@@ -233,6 +247,8 @@ def test_repeated_call_still_checks_what_the_signature_cannot(stand_in_gpu):
         bad[1] = 65  # past the capacity: a value, not part of the signature
         with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 65"):
             sparktune.attention_with_kvcache(q, kc, vc, cache_seqlens=bad)
+        with pytest.raises(ValueError, match="config= needs backend= too"):
+            sparktune.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, config="auto")
         with pytest.raises(ValueError, match="must be different tensors"):
             sparktune.attention_with_kvcache(q, kc, kc, cache_seqlens=lens)
         q.requires_grad_()

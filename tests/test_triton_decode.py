@@ -250,3 +250,49 @@ def test_interp_tuner_checks_and_stores_triton_decode_candidates(request, tmp_pa
             assert (sel.candidate.label, sel.source) == ("triton:tdec_n64_w4s2_x4", "tuned")
         finally:
             dispatch.configure(None)
+
+
+#: Python calls of a repeated call on the Triton path at most (measured: 15 with a tensor of
+#: lengths, 16 with an int, 17 with appends; bench/decode_host_overhead.py prints them)
+MAX_HIT_PYTHON_CALLS = 20
+#: never on a repeated call: the checks, the choice, a Problem, a launcher or dispatch made again
+HIT_FORBIDDEN = {"check_kvcache", "choose_decode", "decode_problem", "__post_init__", "select",
+                 "_resolve", "check_values", "_config", "splits_for"}
+
+
+def test_interp_repeated_call_host_work(request, monkeypatch):
+    """A repeated call (same signature) runs the stored plan: a few Python calls, none of the
+    checks or the choice (the kernels are stubbed: what is counted is sparktune's own work)."""
+    if _delegated(request):
+        return
+    import sparktune
+    from sparktune.kernels import triton_decode
+
+    launched = []
+
+    class Stub:
+        def __getitem__(self, grid):
+            return lambda *a, **k: launched.append(grid)
+
+    for name in ("_append_kernel", "_decode_kernel", "_combine_kernel"):
+        monkeypatch.setattr(triton_decode, name, Stub())
+    case = make_case(dtype=torch.float16, page_size=8, appends=1, seqlens=(9, 8, 33))
+    args, kw = case.call_args()
+    kw["check_bounds"] = False  # the default of CUDA tensors on this path
+    kw.update(backend="triton", config="tdec_n16_w1s1_p3")
+    sparktune.attention_with_kvcache(*args, **kw)
+    launched.clear()
+    names = []
+
+    def prof(frame, event, arg):
+        if event == "call":
+            names.append(frame.f_code.co_name)
+
+    sys.setprofile(prof)
+    try:
+        sparktune.attention_with_kvcache(*args, **kw)
+    finally:
+        sys.setprofile(None)
+    assert len(launched) == 3  # append, split-KV, combine
+    assert len(names) <= MAX_HIT_PYTHON_CALLS, names
+    assert not HIT_FORBIDDEN & set(names), names

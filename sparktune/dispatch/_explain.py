@@ -54,7 +54,7 @@ class Explanation:
         if table is not None:
             sources = tuple(table.sources)
             tuned = tuple(
-                f"{r.label}: {r.median_ms:.4g} ms" + (f", {r.tflops:.1f} TFLOP/s" if r.tflops else "")
+                f"{r.label}: {r.median_ms:.4g} ms" + _rate(r)
                 for r in table.ranked.get(problem, ())
             )
         return cls(problem, device, build_id, selection, error, sources, tuned, tuple(rejected))
@@ -87,7 +87,7 @@ class Explanation:
                     f", quartiles {r.q1_ms:.4g}-{r.q3_ms:.4g}" if r.q1_ms is not None and r.q3_ms is not None else ""
                 )
                 floor = f", burst floor {r.floor_ms:.4g} ms" if r.floor_ms is not None else ""
-                tf = f", {r.tflops:.1f} TFLOP/s" if r.tflops else ""
+                tf = _rate(r)
                 lines.append(
                     f"measured: {r.median_ms:.4g} ms median{spread}{floor}, {r.runs} runs{tf}, on {r.host or '?'} "
                     f"at {r.measured_at:%Y-%m-%d %H:%M} UTC (sparktune {r.version or '?'})"
@@ -188,3 +188,12 @@ def problem_and_device(
         except Exception:  # noqa: BLE001
             device = None
     return problem, device
+
+
+def _rate(r: Any) -> str:
+    """A record's throughput: TFLOP/s, and for a decode problem the K/V bandwidth too (its
+    measure: docs/DECODING.md)."""
+    text = f", {r.tflops:.1f} TFLOP/s" if r.tflops else ""
+    if r.problem.op == "decode" and r.median_ms:
+        text += f", {r.problem.bytes_read() / (r.median_ms * 1e-3) / 1e9:.0f} GB/s of K/V"
+    return text
