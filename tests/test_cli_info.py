@@ -48,7 +48,7 @@ def test_info_text():
     listed = {line.split()[0]: line for line in lines[backends_at + 1 :]}
     assert {"spark", "triton", "torch", "reference"} <= set(listed)
     assert "available (2 configs: float32, float64)" in listed["reference"]
-    assert "features: alibi, deterministic, dropout, softcap, varlen, window" in listed["reference"]
+    assert "features: alibi, decode, deterministic, dropout, softcap, varlen, window" in listed["reference"]
     for line in listed.values():
         assert " available (" in line or " unavailable: " in line
 

@@ -205,7 +205,6 @@ def test_interp_repeated_calls_reuse_the_plan_and_stay_exact(request, monkeypatc
     values (the same signature) and new caches still give the definition's answer."""
     if _delegated(request):
         return
-    import sparktune
     from sparktune import _kvcache
 
     checked = []
