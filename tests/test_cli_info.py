@@ -73,7 +73,7 @@ def test_info_json():
         "reasons": [],
         "tunable": False,
         "configs": ["float32", "float64"],
-        "features": ["alibi", "deterministic", "dropout", "softcap", "varlen", "window"],
+        "features": ["alibi", "decode", "deterministic", "dropout", "softcap", "varlen", "window"],
     }
     for b in info["backends"].values():
         assert b["available"] is (not b["reasons"])

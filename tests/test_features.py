@@ -582,8 +582,8 @@ def test_triton_features_follow_the_kernel_signatures(monkeypatch):
     monkeypatch.setattr(tb, "_triton_import_error", lambda: None)
     tb.kernel_features.cache_clear()
     try:
-        # alibi only in the backward: not declared
-        assert tb.TritonBackend().features == {"window", "softcap", "deterministic"}
+        # alibi only in the backward: not declared; decode: the kernels of triton_decode
+        assert tb.TritonBackend().features == {"window", "softcap", "deterministic", "decode"}
     finally:
         tb.kernel_features.cache_clear()
     monkeypatch.undo()
