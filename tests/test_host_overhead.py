@@ -389,7 +389,7 @@ def test_common_inputs_take_the_fast_checks():
 
 def test_cached_hashes_are_the_dataclass_hashes_and_are_not_pickled():
     p = Problem("fwd", "bfloat16", 2, 8, 2, 17, 33, 64, True, True)
-    off = (-1, -1, False, False, False, False, False, 0, 0)  # the features (docs/FEATURES.md)
+    off = (-1, -1, False, False, False, False, False, 0, 0, 0, 0)  # the features (docs/FEATURES.md) and decode fields
     assert hash(p) == hash(("fwd", "bfloat16", 2, 8, 2, 17, 33, 64, True, True, *off))
     assert hash(p.replace(op="bwd")) == hash(("bwd", "bfloat16", 2, 8, 2, 17, 33, 64, True, True, *off))
     w = p.replace(window_left=5, softcap=True)
