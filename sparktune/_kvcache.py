@@ -421,9 +421,11 @@ def _visible(nq: int, nk: int, causal: bool, window: tuple[int, int], device) ->
 
 
 def reference_decode(inp: DecodeInputs, math_dtype: torch.dtype = torch.float32,
-                     return_lse: bool = False):
+                     return_lse: bool = False, out_dtype: torch.dtype | None = None):
     """The reference math: per sequence, the softmax over its visible keys in ``math_dtype``
-    (float32 or float64). Appends must already be done. Reads the lengths on the host."""
+    (float32 or float64; the tuner's check also runs it in the input dtype). Appends must
+    already be done. Reads the lengths on the host. The output is in ``out_dtype`` (default:
+    q's dtype)."""
     q = inp.q
     batch, nq, hq, d = q.shape
     hkv = inp.k_cache.shape[2]
@@ -453,7 +455,7 @@ def reference_decode(inp: DecodeInputs, math_dtype: torch.dtype = torch.float32,
         p = torch.nan_to_num(p, nan=0.0)  # rows with no visible key
         out[b] = (p @ vv).transpose(0, 1)
         lse[b] = row_lse.float()
-    out = out.to(q.dtype)
+    out = out.to(out_dtype or q.dtype)
     return (out, lse) if return_lse else out
 
 
@@ -690,7 +692,8 @@ class _Plan:
         self.capacity, self.page_size = inp.capacity, inp.page_size
         self.check = check
         self.launcher = launcher
-        #: an int cache_seqlens as a device tensor (the int is part of the signature)
+        #: an int cache_seqlens as a device tensor (the int is part of the signature), made by
+        #: the first call of the plan outside a CUDA graph capture
         self.seqlens: torch.Tensor | None = None
         self.math_dtype = torch.float64 if inp.q.dtype == torch.float64 else torch.float32
 
@@ -718,7 +721,14 @@ def _run(plan: _Plan, inp: DecodeInputs, return_lse: bool):
         else:
             seqlens = plan.seqlens
             if seqlens is None:
-                seqlens = plan.seqlens = seqlens_tensor(inp)
+                seqlens = seqlens_tensor(inp)
+                if inp.q.device.type != "cuda":
+                    plan.seqlens = seqlens
+                elif not torch.cuda.is_current_stream_capturing():
+                    # kept for the later calls (on any stream): complete it now, once; a tensor
+                    # made while a graph is captured is filled only when it replays: not kept
+                    torch.cuda.current_stream(inp.q.device).synchronize()
+                    plan.seqlens = seqlens
         return plan.launcher.run(inp, seqlens, return_lse)
     with torch.no_grad():
         append_kv(inp)

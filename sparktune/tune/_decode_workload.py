@@ -9,10 +9,11 @@ where the candidate returns one (the torch path returns none).
 
 The cache is full to the problem's bucket: contiguous ``(B, cache_len, Hkv, D)``, or paged
 ``(B * cache_len // page_size, page_size, Hkv, D)`` with the pages of each sequence in a random
-order. Timing runs with every sequence at the capacity (what the FLOPs and bytes of the record
-count); the check with ragged lengths (each sequence between half the capacity and all of it),
-so that a config's tails are checked too. New tokens (``appends``) are written at the same
-slots by every launch, so repeated launches leave the same cache.
+order; one set of tensors serves the check and the timing. The check has ragged lengths (the
+first sequence full, the others between half the capacity and all of it), so that a config's
+tails are checked too; timing runs with every sequence at the capacity (what the FLOPs and
+bytes of the record count). New tokens (``appends``) are written at the same slots with the
+same values by every launch, so repeated launches leave the same cache.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class DecodeWorkload:
 
     # ------------------------------------------------------------------ inputs
 
-    def _make(self, seed: int, ragged: bool) -> dict[str, Any]:
+    def _make(self, seed: int) -> dict[str, Any]:
         p = self.problem
         dev = self.device
         gen = torch.Generator(device=dev).manual_seed(seed)
@@ -92,27 +93,31 @@ class DecodeWorkload:
         else:
             t["k"] = t["v"] = None
         most = self.capacity - p.appends
-        if ragged and p.batch > 1:
+        lens = torch.full((p.batch,), most, device=dev)
+        if p.batch > 1:  # ragged: the first full, the others from half the capacity up
             least = max(0, self.capacity // 2 - p.appends)
-            lens = torch.randint(least, most + 1, (p.batch,), generator=gen, device=dev)
-            lens[0] = most
-        else:
-            lens = torch.full((p.batch,), most, device=dev)
+            lens[1:] = torch.randint(least, most + 1, (p.batch - 1,), generator=gen, device=dev)
         t["cache_seqlens"] = lens.to(torch.int32)
         return t
 
-    def inputs(self, seed: int) -> dict[str, Any]:
-        """The timing inputs: every sequence at the capacity. Made once (their values do not
-        change a decode kernel's time, and a long cache is tens of GB): ``seed`` is ignored
-        after the first call."""
-        if self._timing_inputs is None:
-            self._timing_inputs = self._make(seed, ragged=False)
-        return self._timing_inputs
-
     def check_inputs(self) -> dict[str, Any]:
+        """q, the caches (contiguous, or pages in a random order), the new tokens, ragged
+        lengths."""
         if self._check_inputs is None:
-            self._check_inputs = self._make(self.seed, ragged=True)
+            self._check_inputs = self._make(self.seed)
         return self._check_inputs
+
+    def inputs(self, seed: int) -> dict[str, Any]:
+        """The timing inputs: the check inputs' tensors (a long cache is tens of GB, and its
+        values do not change a decode kernel's time; ``seed`` is not used) with every sequence
+        at the capacity. Their appends write the last slots of each sequence, which no check
+        reads but with the same values."""
+        del seed
+        if self._timing_inputs is None:
+            t = self.check_inputs()
+            full = torch.full_like(t["cache_seqlens"], self.capacity - self.problem.appends)
+            self._timing_inputs = {**t, "cache_seqlens": full}
+        return self._timing_inputs
 
     def _call_kw(self, t: dict[str, Any]) -> dict[str, Any]:
         p = self.problem
@@ -159,17 +164,12 @@ class DecodeWorkload:
         """output name -> (float64 reference, bound, mask of entries to compare or None)."""
         if self._refs is None:
             t = self.check_inputs()
-            kc, vc = t["k_cache"].clone(), t["v_cache"].clone()
-            kw = self._call_kw(t)
             with torch.no_grad():
-                inp = check_kvcache(t["q"], kc, vc, t["k"], t["v"], **kw)
-                append_kv(inp)  # on the copies: the cache every candidate attends to
+                inp = check_kvcache(t["q"], t["k_cache"], t["v_cache"], t["k"], t["v"], **self._call_kw(t))
+                append_kv(inp)  # what every candidate writes: the same values in the same slots
                 low, lse_low = reference_decode(inp, self.dtype, return_lse=True)
-                # the float64 math on float64 copies (the reference returns its inputs' dtype)
-                kw64 = {**kw, "cache_seqlens": t["cache_seqlens"] + self.problem.appends}
-                inp64 = check_kvcache(t["q"].double(), kc.double(), vc.double(), **kw64,
-                                      reference_dtypes=True)
-                out64, lse64 = reference_decode(inp64, torch.float64, return_lse=True)
+                out64, lse64 = reference_decode(inp, torch.float64, return_lse=True,
+                                                out_dtype=torch.float64)
             lse64 = lse64.double()
             finite = torch.isfinite(lse64)
             err_out = (low.double() - out64).abs().max().item()
