@@ -372,3 +372,19 @@ def test_cli_decode_run_reports_bandwidth(tmp_path, capsys, monkeypatch):
     assert code == 0, out
     assert "decode:bfloat16:b2:h4/2:n1/64:d32:causal:acc32" in out and "GB/s" in out
     assert "PyTorch SDPA on the sliced cache" in out and "torch:auto" in out
+
+
+def test_shipped_decode_records_are_dispatched(stand_in_gpu, tmp_path, monkeypatch):
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    (shipped / "test-gpu.jsonl").write_text(
+        db.dumps_record(record(TINY, backend="torch", config="auto", median=0.02)) + "\n")
+    monkeypatch.setenv(dispatch.ENV_SHIPPED, str(shipped))
+    dispatch.reload()
+    sel = dispatch.select(TINY, DEVICE)
+    assert (sel.candidate.label, sel.source, sel.record.source) == ("torch:auto", "tuned", "shipped:test-gpu.jsonl")
+    q, kc, vc, lens = _tensors()
+    with torch.no_grad():
+        sparktune.attention_with_kvcache(q, kc, vc, cache_seqlens=lens)
+    key = check_kvcache(q, kc, vc, cache_seqlens=lens).key
+    assert kv.choose_decode(key, q.device).source == "tuned"
