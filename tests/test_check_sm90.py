@@ -162,8 +162,13 @@ def test_spark_bwd_sm90_default_and_deterministic(monkeypatch):
     b = _spark_with(_bwd_catalogue(), monkeypatch)
     hopper, ampere = DeviceInfo("h200", (9, 0), 132), DeviceInfo("a100", (8, 0), 108)
     p = Problem("bwd", "float16", 1, 2, 2, 4096, 4096, 128, True)
-    # sm_90: the Hopper backward's default for head dim 128 (stages 2 before 3)
-    assert b.default_config(p, hopper) == "bwd_sm90_f16_d128_m64n128_s2"
+    from sparktune.kernels.kernel_space import is_unverified
+
+    gated = is_unverified("bwd_sm90_f16_d128_m64n128_s2")
+    # sm_90: the Hopper backward's default for head dim 128 (stages 2 before 3), once it has
+    # passed its device check; until then the sm80 default
+    assert b.default_config(p, hopper) == (
+        "bwd_sm80_f16_d128_m64n128_w2x4_acc32" if gated else "bwd_sm90_f16_d128_m64n128_s2")
     # elsewhere family 90 is refused and the sm80 default stays
     assert b.default_config(p, ampere) == "bwd_sm80_f16_d128_m64n128_w2x4_acc32"
     det = p.replace(deterministic=True)
@@ -172,5 +177,6 @@ def test_spark_bwd_sm90_default_and_deterministic(monkeypatch):
     reasons = b._config_reasons(det, sm80, hopper)
     assert len(reasons) == 1 and "not bitwise reproducible" in reasons[0]
     assert b._config_reasons(det, b._catalogue()["bwd_sm90_f16_d128_m64n128_s2"], hopper) == []
-    assert b.default_config(det, hopper) == "bwd_sm90_f16_d128_m64n128_s2"
+    # forced by name it runs; chosen only once verified
+    assert b.default_config(det, hopper) == (None if gated else "bwd_sm90_f16_d128_m64n128_s2")
     assert b.default_config(det, ampere) is None  # no deterministic backward there

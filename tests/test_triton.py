@@ -14,15 +14,13 @@ import importlib.util
 import logging
 import math
 import os
-import subprocess
-import sys
-import xml.etree.ElementTree as ET
 
 import pytest
 import torch
 
 from sparktune.kernels import triton_space as space
 from sparktune.problem import DeviceInfo, Problem
+from tests._interp import delegated, in_child, run_child
 
 try:  # the project's shared oracle when present; this file carries its own otherwise
     from tests._oracle import assert_close_to_reference, assert_grads_close_to_reference
@@ -201,58 +199,18 @@ def test_backend_candidates_are_filtered(backend, monkeypatch):
 
 #: set in the child process that runs the kernels under the interpreter
 _CHILD_FLAG = "_SPARKTUNE_TRITON_INTERPRETED"
-IN_CHILD = os.environ.get(_CHILD_FLAG) == "1"
+IN_CHILD = in_child(_CHILD_FLAG)
 #: the child runs every interpreted test; a generous bound for 2 slow, shared cores
 _CHILD_TIMEOUT_S = 900
 
 
 @pytest.fixture(scope="module")
 def child_report(tmp_path_factory):
-    """Run this file's ``test_interp_*`` tests once in a child pytest under the interpreter;
-    test name -> (outcome, message)."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    xml_path = tmp_path_factory.mktemp("interp") / "report.xml"
-    env = dict(os.environ, TRITON_INTERPRET="1", **{_CHILD_FLAG: "1"})
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interp",
-           f"--junitxml={xml_path}", os.path.abspath(__file__)]
-    try:
-        proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True,
-                              timeout=_CHILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the interpreted kernel tests took over {_CHILD_TIMEOUT_S} s", pytrace=False)
-    if not xml_path.exists():
-        pytest.fail(f"the interpreted child run produced no report:\n{proc.stdout}\n{proc.stderr}",
-                    pytrace=False)
-    report = {}
-    for case in ET.parse(xml_path).getroot().iter("testcase"):
-        outcome, message = "passed", ""
-        for kind in ("failure", "error", "skipped"):
-            node = case.find(kind)
-            if node is not None:
-                outcome = "skipped" if kind == "skipped" else "failed"
-                message = (node.get("message") or "") + "\n" + (node.text or "")
-                break
-        report[case.get("name")] = (outcome, message)
-    return report
+    return run_child(__file__, _CHILD_FLAG, tmp_path_factory, timeout_s=_CHILD_TIMEOUT_S, what="kernel tests")
 
 
 def _delegated(request) -> bool:
-    """In the parent process: take this test's outcome from the child run (True: done)."""
-    if IN_CHILD:
-        return False
-    report = request.getfixturevalue("child_report")
-    name = request.node.name
-    if name not in report:
-        pytest.fail(f"{name} did not run in the interpreted child", pytrace=False)
-    outcome, message = report[name]
-    if outcome == "failed":
-        pytest.fail(f"under the interpreter:\n{message}", pytrace=False)
-    if outcome == "skipped":
-        pytest.skip(message.strip())
-    return True
+    return delegated(request, IN_CHILD)
 
 
 @pytest.fixture

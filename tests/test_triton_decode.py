@@ -11,11 +11,7 @@ As tests/test_triton_features.py, the ``test_interp_*`` tests run once in a chil
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
 import sys
-import xml.etree.ElementTree as ET
 
 import pytest
 import torch
@@ -23,52 +19,21 @@ import torch
 from sparktune.kernels import triton_decode_space as space
 from tests._decode_cases import make_case
 from tests._decode_oracle import decode_oracle, expected_caches
+from tests._interp import delegated, in_child, run_child
 
 _CHILD_FLAG = "_SPARKTUNE_TRITON_DECODE_INTERPRETED"
-IN_CHILD = os.environ.get(_CHILD_FLAG) == "1"
+IN_CHILD = in_child(_CHILD_FLAG)
+_CHILD_TIMEOUT_S = 1200
 FLOOR = 2e-3
 
 
 @pytest.fixture(scope="module")
 def child_report(tmp_path_factory):
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    xml_path = tmp_path_factory.mktemp("interp_decode") / "report.xml"
-    env = dict(os.environ, TRITON_INTERPRET="1", **{_CHILD_FLAG: "1"})
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interp",
-           f"--junitxml={xml_path}", os.path.abspath(__file__)]
-    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=1200)
-    if not xml_path.exists():
-        pytest.fail(f"the interpreted child run produced no report:\n{proc.stdout}\n{proc.stderr}",
-                    pytrace=False)
-    report = {}
-    for case in ET.parse(xml_path).getroot().iter("testcase"):
-        outcome, message = "passed", ""
-        for kind in ("failure", "error", "skipped"):
-            node = case.find(kind)
-            if node is not None:
-                outcome = "skipped" if kind == "skipped" else "failed"
-                message = (node.get("message") or "") + "\n" + (node.text or "")
-                break
-        report[case.get("name")] = (outcome, message)
-    return report
+    return run_child(__file__, _CHILD_FLAG, tmp_path_factory, timeout_s=_CHILD_TIMEOUT_S, what="decode tests")
 
 
 def _delegated(request) -> bool:
-    if IN_CHILD:
-        return False
-    report = request.getfixturevalue("child_report")
-    name = request.node.name
-    if name not in report:
-        pytest.fail(f"{name} did not run in the interpreted child", pytrace=False)
-    outcome, message = report[name]
-    if outcome == "failed":
-        pytest.fail(f"under the interpreter:\n{message}", pytrace=False)
-    if outcome == "skipped":
-        pytest.skip(message.strip())
-    return True
+    return delegated(request, IN_CHILD)
 
 
 def _check(case, config, lse=True):
