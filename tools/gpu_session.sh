@@ -8,7 +8,11 @@
 #       kernels (bench/model_kernels.py: the kernels of one llama step, sparktune against sdpa),
 #       profile (bench/model_profile.py: host time of a llama step at 2k, train and prefill),
 #       tuneprof (sparktune tune --seqlen 8192 --heads 12 --json, cold then warm Triton cache),
-#       models2k (the models at 2k tokens, 8 rounds, with and without the attention timing).
+#       models2k (the models at 2k tokens, 8 rounds, with and without the attention timing),
+#       sm90 (tools/gpu_check_sm90.py on the built fwd_sm90 kernels), sm90bwd (the Hopper
+#       backward's device check, correctness only), sanitize:K1+K2 (compute-sanitizer on those
+#       kernels), ncu:KERNEL (Nsight Compute), features (the Triton features' check, no timing),
+#       decode (tools/gpu_check_decode.py and bench/decode_bandwidth.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -61,6 +65,25 @@ for step in "$@"; do
           >> "$logs/models2k.log" 2>&1 || rc=1
       done
       grep -E "^(llama|gpt2)|eomet" "$logs/models2k.log" ;;
+    sm90)
+      timeout 300 python3 tools/gpu_check_sm90.py --speed-budget 120 > "$logs/sm90.log" 2>&1 || rc=1
+      grep -E "correctness|FAIL" "$logs/sm90.log" | head -5 ;;
+    sm90bwd)
+      timeout 420 python3 tools/gpu_check_sm90_bwd.py --no-speed --out "$logs/sm90bwd.log" > /dev/null 2>&1 || rc=1
+      tail -5 "$logs/sm90bwd.log" ;;
+    sanitize:*)
+      kernels=${step#sanitize:}
+      OUT=$logs timeout 400 tools/gpu_sanitize.sh ${kernels//+/ } || rc=1 ;;
+    ncu:*)
+      OUT=$logs timeout 200 tools/gpu_ncu.sh "${step#ncu:}" || rc=1 ;;
+    features)
+      timeout 300 python3 tools/gpu_check_triton_features.py --no-speed > "$logs/features.log" 2>&1 || rc=1
+      grep -E "correctness|FAIL" "$logs/features.log" | head -5 ;;
+    decode)
+      timeout 200 python3 tools/gpu_check_decode.py --out "$logs/decode.log" > /dev/null 2>&1 || rc=1
+      tail -2 "$logs/decode.log"
+      timeout 240 python3 bench/decode_bandwidth.py --out "$logs/decode_bw.txt" > /dev/null 2>&1
+      tail -16 "$logs/decode_bw.txt" ;;
     recipe:*)
       IFS=: read -r _ file secs <<< "$step"
       timeout "$secs" python3 -m sparktune tune --recipe "$file" --no-leases --no-progress \
