@@ -75,6 +75,13 @@ CUTE_DEVICE int load_acquire(const int* ptr) {
   return v;
 }
 
+// A release store at GPU scope: whatever this thread has observed before it (the other
+// consumer threads' dQ atomics, through the named barrier that precedes it) is visible to a
+// thread whose acquire load reads the value.
+CUTE_DEVICE void store_release(int* ptr, int v) {
+  asm volatile("st.global.release.gpu.b32 [%0], %1;" : : "l"(ptr), "r"(v) : "memory");
+}
+
 // The query row blocks a key block sees: [m_begin, m_blocks). Causal (bottom-right): key j is
 // seen by rows i >= j - (seqlen_k - seqlen_q).
 struct BwdWalk {
@@ -343,7 +350,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
         float* dq = p.dq_accum + (bh * p.seqlen_q + row0) * kHeadDim;
         int* sem = deterministic ? p.dq_semaphore + bh * walk.m_blocks + m : nullptr;
-        if (deterministic) {  // wait until key blocks 0 .. n_block - 1 have added theirs
+        // Deterministic: wait until key blocks 0 .. n_block - 1 have added theirs. These are
+        // exactly the key blocks that visit this row block (m_begin does not decrease with
+        // n_block), and none of them waits for this one: each waits only for lower key blocks
+        // of the same (kv head, batch), i.e. lower linear block indices (x is the fastest grid
+        // dimension), which the hardware dispatches first, so they are resident or finished
+        // even when the grid is larger than what fits at once; key block 0 never waits.
+        if (deterministic) {
           if (ctid == 0) {
             while (sm90::load_acquire(sem) != n_block) __nanosleep(64);
           }
@@ -351,9 +364,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
         add_dq<kHeadDim>(dq, acc_dq, tQcQ, p.seqlen_q - row0);
         if (deterministic) {
+          // every thread's atomics are performed at GPU scope before the barrier; the release
+          // store after it orders them (cumulatively) before the next key block's acquire
           __threadfence();
           cutlass::arch::NamedBarrier::sync(kConsumerThreads, kBarDqOrder);
-          if (ctid == 0) atomicExch(sem, n_block + 1);
+          if (ctid == 0) sm90::store_release(sem, n_block + 1);
         }
       }
     }
