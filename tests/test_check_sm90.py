@@ -174,3 +174,34 @@ def test_spark_bwd_sm90_default_and_deterministic(monkeypatch):
     assert b._config_reasons(det, b._catalogue()["bwd_sm90_f16_d128_m64n128_s2"], hopper) == []
     assert b.default_config(det, hopper) == "bwd_sm90_f16_d128_m64n128_s2"
     assert b.default_config(det, ampere) is None  # no deterministic backward there
+
+
+def test_gpu_check_bwd_says_where_a_gradient_is_wrong():
+    """The first device run of the sm90 backward must make a layout bug recognisable: the
+    worst element's index and the index runs of the wrong batches, heads, rows and columns."""
+    torch = pytest.importorskip("torch")
+    spec = importlib.util.spec_from_file_location("gpu_check_sm90_bwd",
+                                                  ROOT / "tools" / "gpu_check_sm90_bwd.py")
+    g = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(g)
+    assert g._ranges([0, 1, 2, 5, 6, 9]) == "0-2,5-6,9"
+    assert g._ranges(list(range(0, 40, 2)), most=2) == "0,2,... (20 runs)"
+    ref = torch.zeros(2, 3, 50, 64, dtype=torch.float64)
+    bad = ref.clone().half()
+    bad[1, 2, 17:20, 32:64] = 1.0  # a block of rows, one warpgroup's columns
+    bad[1, 2, 18, 40] = 2.0
+    text = g._where(bad, ref, 0.01, "query row")
+    assert "worst at (batch 1, head 2, query row 18, col 40): got 2, want 0" in text
+    assert "96 of 19200 over 0.01 (0 not finite)" in text
+    assert "batches 1, heads 2, query rows 17-19 of 50, cols 32-63 of 64" in text
+    why, detail = [], []
+    errs = g._judge((bad, ref.half(), ref.half()), (ref, ref, ref), (1e-3,) * 3, "default", why,
+                    detail)
+    assert errs == [2.0, 0.0, 0.0]
+    assert why == ["default dq err 2 > bound 0.00201"]
+    assert len(detail) == 1 and detail[0].startswith("default dq worst at (batch 1, head 2")
+    bad[0, 0, 0, 0] = float("nan")
+    why = []
+    g._judge((ref.half(), bad, ref.half()), (ref, ref, ref), (1e-3,) * 3, "det", why, detail)
+    assert why == ["det dk err nan > bound 0.00201"] and len(detail) == 1  # the first one only
+    assert "(1 not finite)" in g._where(bad, ref, 0.01, "key row")
