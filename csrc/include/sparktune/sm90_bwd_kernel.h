@@ -264,7 +264,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor tKrQt = thr_dkv.partition_fragment_B(sQt);
   Tensor tQrDs = thr_dq.partition_fragment_A(sDs);    // (MMA, MMA_M, MMA_K, 2)
   Tensor tQrKt = thr_dq.partition_fragment_B(sKt);
-  Tensor tDSsDst = thr_sdp.partition_C(sDst);          // (MMA, MMA_M, MMA_N, 2)
+  auto copy_ds = make_tiled_copy_C(typename Traits::SmemCopyAtomDs{}, mma_sdp);
+  auto thr_copy_ds = copy_ds.get_thread_slice(ctid);
+  Tensor tDSsDst = thr_copy_ds.partition_D(sDst);     // (CPY, CPY_M, CPY_N, 2)
 
   Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
@@ -326,7 +328,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         Tensor rP = convert_fragment<T>(acc_s);
         Tensor rDs = convert_fragment<T>(acc_dp);
         // dS^T to shared memory (dQ reads it as dS), before the register operands go in flight
-        cute::copy(rDs, tDSsDst(_, _, _, buf));
+        cute::copy(copy_ds, thr_copy_ds.retile_S(rDs), tDSsDst(_, _, _, buf));
         cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> wgmma reads
 
         // dV += P^T dO, dK += dS^T Q

@@ -8,6 +8,7 @@
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/atom/mma_atom.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/arch/copy_sm90.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm90.hpp>
 
@@ -65,6 +66,9 @@ struct Sm90BwdTraits : Config {
   using SmemLayoutDs = decltype(tile_to_shape(SmemAtomDs{}, Shape<BlockM, BlockN, _2>{}));
   using SmemLayoutDst = decltype(composition(
       SmemLayoutDs{}, make_ordered_layout(Shape<BlockN, BlockM, _2>{}, Step<_2, _1, _3>{})));
+  // dS^T from the accumulator registers to shared memory with stmatrix: the accumulator's
+  // columns (queries) are the contiguous dimension of the layout, so the non-transposing form
+  using SmemCopyAtomDs = Copy_Atom<SM90_U32x4_STSM_N, Element>;
 
   // ---- TMA: 4-D views (row, head_dim, head, batch) with the caller's strides ----
   using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
