@@ -5,7 +5,9 @@ For every selected ``fwd_sm90_*`` or ``bwd_sm90_*`` configuration of the declare
 C++ rules accept (default: one of each, ``DEFAULT``), this check generates its ``.cu`` (csrc/gen_kernels.py), compiles
 it with the local nvcc to PTX and to an sm_90a object with ``ptxas -v``, and fails a kernel on
 a build error, any spill or stack frame, a PTX without ``wgmma.mma_async`` or without TMA
-loads (``cp.async.bulk.tensor``), or where ptxas serialized the asynchronous wgmma. One line
+loads (``cp.async.bulk.tensor``), where ptxas serialized the asynchronous wgmma, or where the
+``setmaxnreg`` requests do not fit the registers the block is launched with (the consumers
+would wait forever). One line
 per kernel, then ``N passed, M failed``.
 Exit status: 0 all passed, 1 some failed, 2 the check could not run (no nvcc or CuTe).
 """
@@ -68,7 +70,36 @@ def parse_ptxas(log: str, entry: str | None = None) -> dict:
     return out
 
 
-def check_kernel(name: str, gen: Path, nvcc: Path, includes: list[Path]) -> tuple[bool, str]:
+def register_pool_reasons(ptx: str, registers: int | None, threads: int) -> list[str]:
+    """Why the setmaxnreg requests of a kernel cannot all be granted (empty: they can). The
+    block is launched with ptxas's register count for every thread (rounded up to 8, the
+    allocation granule); setmaxnreg only moves registers within that pool, so the producer
+    warpgroup's decrease plus the consumer warpgroups' increase must fit it, or the consumers'
+    setmaxnreg.inc waits forever (a hang on the GPU that no compiler reports). An increase
+    below the launch count, or a decrease above it, is refused too (not an increase/decrease)."""
+    dec = [int(x) for x in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", ptx)]
+    inc = [int(x) for x in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)]
+    if not dec and not inc:
+        return []
+    if registers is None:
+        return ["setmaxnreg without a ptxas register count to check it against"]
+    if len(set(dec)) > 1 or len(set(inc)) > 1 or not dec or not inc:
+        return [f"setmaxnreg: expected one decrease and one increase, got dec {dec} inc {inc}"]
+    launch = -(-registers // 8) * 8
+    d, i = dec[0], inc[0]
+    need = 128 * d + (threads - 128) * i
+    reasons = []
+    if need > launch * threads:
+        reasons.append(f"setmaxnreg asks for 128 x {d} + {threads - 128} x {i} = {need} registers, "
+                       f"the block has {launch} x {threads} = {launch * threads}: the consumers "
+                       "would wait forever")
+    if i < launch or d > launch:
+        reasons.append(f"setmaxnreg.inc {i} / .dec {d} against a launch count of {launch}")
+    return reasons
+
+
+def check_kernel(name: str, gen: Path, nvcc: Path, includes: list[Path],
+                 threads: int | None = None) -> tuple[bool, str]:
     src = gen / f"{name}.cu"
     inc = [f"-I{i}" for i in includes]
     ptx = gen / f"{name}.ptx"
@@ -94,6 +125,8 @@ def check_kernel(name: str, gen: Path, nvcc: Path, includes: list[Path]) -> tupl
         reasons.append(f"{st['stack_frame']} B stack frame")
     if st["registers"] is None:
         reasons.append("no ptxas report of the kernel")
+    if threads is not None:
+        reasons += register_pool_reasons(text, st["registers"], threads)
     if not n_wgmma:
         reasons.append("no wgmma.mma_async in the PTX")
     if not n_tma:
@@ -131,12 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r.split("\t") for r in (gen / "space.tsv").read_text().splitlines() if r.strip()]
     names = [r[0] for r in rows
              if r[1] == "1" and any(fnmatch.fnmatchcase(r[0], f"{op}_sm90_*") for op in ("fwd", "bwd"))]
+    threads = {r[0]: int(r[3]) for r in rows if r[1] == "1"}
     if not names:
         print(f"check_sm90: no valid sm90 kernel matches {args.filter!r}", file=sys.stderr)
         return 1
     passed = failed = 0
     for name in names:
-        ok, line = check_kernel(name, gen, nvcc, includes)
+        ok, line = check_kernel(name, gen, nvcc, includes, threads[name])
         print(line, flush=True)
         passed += ok
         failed += not ok
