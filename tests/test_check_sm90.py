@@ -157,16 +157,26 @@ def _spark_with(catalogue, monkeypatch):
 
 
 def test_spark_bwd_sm90_default_and_deterministic(monkeypatch):
+    from sparktune.kernels import kernel_space
     from sparktune.problem import DeviceInfo, Problem
 
     b = _spark_with(_bwd_catalogue(), monkeypatch)
     hopper, ampere = DeviceInfo("h200", (9, 0), 132), DeviceInfo("a100", (8, 0), 108)
     p = Problem("bwd", "float16", 1, 2, 2, 4096, 4096, 128, True)
-    # sm_90: the Hopper backward's default for head dim 128 (stages 2 before 3)
+    # while the Hopper backward waits for its device check (kernel_space.UNVERIFIED) it is no
+    # candidate: the sm80 default stays on sm_90, a deterministic problem has no default, and
+    # the kernel runs only when forced by name
+    assert kernel_space.is_unverified("bwd_sm90_f16_d128_m64n128_s2")
+    assert b.default_config(p, hopper) == "bwd_sm80_f16_d128_m64n128_w2x4_acc32"
+    det = p.replace(deterministic=True)
+    assert b.default_config(det, hopper) is None
+    assert b._config_reasons(det, b._catalogue()["bwd_sm90_f16_d128_m64n128_s2"], hopper) == []
+    # once verified: sm_90 takes the Hopper backward's default for head dim 128 (stages 2
+    # before 3)
+    monkeypatch.setattr(kernel_space, "UNVERIFIED", ())
     assert b.default_config(p, hopper) == "bwd_sm90_f16_d128_m64n128_s2"
     # elsewhere family 90 is refused and the sm80 default stays
     assert b.default_config(p, ampere) == "bwd_sm80_f16_d128_m64n128_w2x4_acc32"
-    det = p.replace(deterministic=True)
     assert b.feature_reasons(det) == []
     sm80 = b._catalogue()["bwd_sm80_f16_d128_m64n128_w2x4_acc32"]
     reasons = b._config_reasons(det, sm80, hopper)
@@ -205,3 +215,17 @@ def test_gpu_check_bwd_says_where_a_gradient_is_wrong():
     g._judge((ref.half(), bad, ref.half()), (ref, ref, ref), (1e-3,) * 3, "det", why, detail)
     assert why == ["det dk err nan > bound 0.00201"] and len(detail) == 1  # the first one only
     assert "(1 not finite)" in g._where(bad, ref, 0.01, "key row")
+
+
+def test_register_pool_of_setmaxnreg():
+    """setmaxnreg moves registers within what the block was launched with: a request beyond
+    that pool is a hang on the GPU, so the compile check refuses it."""
+    ptx = ("\tsetmaxnreg.inc.sync.aligned.u32 240;\n...\n"
+           "\tsetmaxnreg.dec.sync.aligned.u32 24;\n")
+    assert check.register_pool_reasons(ptx, 168, 384) == []  # 128 x 24 + 256 x 240 = 168 x 384
+    assert check.register_pool_reasons(ptx, 240, 256) == []
+    short = check.register_pool_reasons(ptx, 160, 384)
+    assert len(short) == 1 and "would wait forever" in short[0]
+    assert "against a launch count of 248" in check.register_pool_reasons(ptx, 248, 256)[0]
+    assert check.register_pool_reasons("no setmaxnreg here", None, 384) == []
+    assert "without a ptxas register count" in check.register_pool_reasons(ptx, None, 384)[0]
