@@ -135,7 +135,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // named barriers of the consumer warpgroups (ids after the reserved ones)
   constexpr int kBarDsReady = 1;
   constexpr int kBarDqOrder = 2;
-  static_assert(cosize_v<typename Traits::SmemLayoutKV> * sizeof(T) == Traits::kSmemK &&
+  static_assert(cosize_v<typename Traits::SmemLayoutK> * sizeof(T) == Traits::kSmemK &&
+                    cosize_v<typename Traits::SmemLayoutV> * sizeof(T) == Traits::kSmemV &&
                     cosize_v<typename Traits::SmemLayoutQ> * sizeof(T) == Traits::kSmemQ &&
                     cosize_v<typename Traits::SmemLayoutDs> * sizeof(T) == Traits::kSmemDs,
                 "the shared-memory rule of sm90_bwd_config.h disagrees with the layouts");
@@ -172,8 +173,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
   __syncthreads();
 
-  Tensor sK = make_tensor(make_smem_ptr(st.k()), typename Traits::SmemLayoutKV{});
-  Tensor sV = make_tensor(make_smem_ptr(st.v()), typename Traits::SmemLayoutKV{});
+  Tensor sK = make_tensor(make_smem_ptr(st.k()), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(st.v()), typename Traits::SmemLayoutV{});
   Tensor sKt = make_tensor(make_smem_ptr(st.k()), typename Traits::SmemLayoutKt{});
   Tensor sQ = make_tensor(make_smem_ptr(st.q()), typename Traits::SmemLayoutQ{});
   Tensor sQt = make_tensor(make_smem_ptr(st.q()), typename Traits::SmemLayoutQt{});

@@ -12,6 +12,8 @@
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm90.hpp>
 
+#include <type_traits>
+
 #include "params.h"
 #include "sm90_bwd_config.h"
 
@@ -54,9 +56,18 @@ struct Sm90BwdTraits : Config {
 
   // ---- shared memory ----
   using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;  // 8 rows x 128 bytes
-  using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<BlockN, HeadDim>{}));
+  using SmemLayoutV = decltype(tile_to_shape(SmemAtom{}, Shape<BlockN, HeadDim>{}));
+  // K is also dQ's B operand, read MN-major in slices of kDqCols head-dim columns, one per
+  // warpgroup. Its swizzle atom is no wider than a slice, so that every warpgroup's slice
+  // starts on an atom (FlashAttention-3 makes the same choice): with head dim 64 and two
+  // warpgroups (slices of 32 columns, 64 bytes) the 64-byte swizzle, else the 128-byte one.
+  static_assert(kDqCols * int(sizeof(Element)) % 64 == 0, "dQ's head-dim slices of 64 or 128 bytes");
+  using SmemAtomK = std::conditional_t<kDqCols * int(sizeof(Element)) % 128 == 0,
+                                       GMMA::Layout_K_SW128_Atom<Element>,
+                                       GMMA::Layout_K_SW64_Atom<Element>>;
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{}, Shape<BlockN, HeadDim>{}));
   using SmemLayoutKt = decltype(composition(
-      SmemLayoutKV{}, make_ordered_layout(Shape<HeadDim, BlockN>{}, Step<_2, _1>{})));
+      SmemLayoutK{}, make_ordered_layout(Shape<HeadDim, BlockN>{}, Step<_2, _1>{})));
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<BlockM, HeadDim, StagesT>{}));
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_ordered_layout(Shape<HeadDim, BlockM, StagesT>{}, Step<_2, _1, _3>{})));
@@ -78,8 +89,10 @@ struct Sm90BwdTraits : Config {
                                           GmemLayout{}));
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
                                       Shape<BlockM, HeadDim>{}, _1{}));
-  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{},
-                                       Shape<BlockN, HeadDim>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{},
+                                      Shape<BlockN, HeadDim>{}, _1{}));
+  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutV{},
+                                      Shape<BlockN, HeadDim>{}, _1{}));
 
   static constexpr int kTmaBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kTmaBytesKV = kBlockN * kHeadDim * int(sizeof(Element));
@@ -92,8 +105,8 @@ struct Sm90BwdArgs {
   BwdParams p;
   typename Traits::TmaQ tma_q;
   typename Traits::TmaQ tma_do;
-  typename Traits::TmaKV tma_k;
-  typename Traits::TmaKV tma_v;
+  typename Traits::TmaK tma_k;
+  typename Traits::TmaV tma_v;
 };
 
 }  // namespace sparktune
