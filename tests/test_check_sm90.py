@@ -229,3 +229,22 @@ def test_register_pool_of_setmaxnreg():
     assert "against a launch count of 248" in check.register_pool_reasons(ptx, 248, 256)[0]
     assert check.register_pool_reasons("no setmaxnreg here", None, 384) == []
     assert "without a ptxas register count" in check.register_pool_reasons(ptx, None, 384)[0]
+
+
+@pytest.mark.build
+def test_sm90_backward_layouts_on_the_host():
+    """Without a GPU: the backward's register reinterpretations (accumulator -> wgmma A
+    operand, stmatrix of dS^T), the tiles' coverage and the transposed shared-memory views
+    agree for every valid configuration (check_sm90.py --layouts)."""
+    try:
+        check.find_nvcc()
+        check.cutlass_include()
+    except check.ToolUnavailable as e:
+        pytest.skip(f"cannot compile CUDA here: {e}")
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "check_sm90.py"), "--layouts",
+                          "--filter", "bwd_sm90_*"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) >= 6 and all(line.endswith(" 0 mismatches") for line in lines), res.stdout
+    assert any(line.startswith("bwd_sm90_f16_d128_m64n128_s2: ") for line in lines)
