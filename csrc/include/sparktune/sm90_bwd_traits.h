@@ -1,5 +1,6 @@
 // The types of one Hopper backward configuration: wgmma tiled MMAs of the five products, GMMA
-// shared-memory layouts (128-byte swizzle) with their transposed views, and the TMA copy types.
+// shared-memory layouts (128-byte swizzle; K's 64-byte where dQ reads it in 32-column slices)
+// with their transposed views, the stmatrix copy of dS^T, and the TMA copy types.
 // Only instantiated for a valid configuration (sm90_bwd_config.h).
 #pragma once
 
