@@ -157,26 +157,94 @@ def _spark_with(catalogue, monkeypatch):
 
 
 def test_spark_bwd_sm90_default_and_deterministic(monkeypatch):
+    from sparktune.kernels import kernel_space
     from sparktune.problem import DeviceInfo, Problem
 
     b = _spark_with(_bwd_catalogue(), monkeypatch)
     hopper, ampere = DeviceInfo("h200", (9, 0), 132), DeviceInfo("a100", (8, 0), 108)
     p = Problem("bwd", "float16", 1, 2, 2, 4096, 4096, 128, True)
-    from sparktune.kernels.kernel_space import is_unverified
-
-    gated = is_unverified("bwd_sm90_f16_d128_m64n128_s2")
-    # sm_90: the Hopper backward's default for head dim 128 (stages 2 before 3), once it has
-    # passed its device check; until then the sm80 default
-    assert b.default_config(p, hopper) == (
-        "bwd_sm80_f16_d128_m64n128_w2x4_acc32" if gated else "bwd_sm90_f16_d128_m64n128_s2")
+    # while the Hopper backward waits for its device check (kernel_space.UNVERIFIED) it is no
+    # candidate: the sm80 default stays on sm_90, a deterministic problem has no default, and
+    # the kernel runs only when forced by name
+    assert kernel_space.is_unverified("bwd_sm90_f16_d128_m64n128_s2")
+    assert b.default_config(p, hopper) == "bwd_sm80_f16_d128_m64n128_w2x4_acc32"
+    det = p.replace(deterministic=True)
+    assert b.default_config(det, hopper) is None
+    assert b._config_reasons(det, b._catalogue()["bwd_sm90_f16_d128_m64n128_s2"], hopper) == []
+    # once verified: sm_90 takes the Hopper backward's default for head dim 128 (stages 2
+    # before 3)
+    monkeypatch.setattr(kernel_space, "UNVERIFIED", ())
+    assert b.default_config(p, hopper) == "bwd_sm90_f16_d128_m64n128_s2"
     # elsewhere family 90 is refused and the sm80 default stays
     assert b.default_config(p, ampere) == "bwd_sm80_f16_d128_m64n128_w2x4_acc32"
-    det = p.replace(deterministic=True)
     assert b.feature_reasons(det) == []
     sm80 = b._catalogue()["bwd_sm80_f16_d128_m64n128_w2x4_acc32"]
     reasons = b._config_reasons(det, sm80, hopper)
     assert len(reasons) == 1 and "not bitwise reproducible" in reasons[0]
     assert b._config_reasons(det, b._catalogue()["bwd_sm90_f16_d128_m64n128_s2"], hopper) == []
-    # forced by name it runs; chosen only once verified
-    assert b.default_config(det, hopper) == (None if gated else "bwd_sm90_f16_d128_m64n128_s2")
+    assert b.default_config(det, hopper) == "bwd_sm90_f16_d128_m64n128_s2"
     assert b.default_config(det, ampere) is None  # no deterministic backward there
+
+
+def test_gpu_check_bwd_says_where_a_gradient_is_wrong():
+    """The first device run of the sm90 backward must make a layout bug recognisable: the
+    worst element's index and the index runs of the wrong batches, heads, rows and columns."""
+    torch = pytest.importorskip("torch")
+    spec = importlib.util.spec_from_file_location("gpu_check_sm90_bwd",
+                                                  ROOT / "tools" / "gpu_check_sm90_bwd.py")
+    g = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(g)
+    assert g._ranges([0, 1, 2, 5, 6, 9]) == "0-2,5-6,9"
+    assert g._ranges(list(range(0, 40, 2)), most=2) == "0,2,... (20 runs)"
+    ref = torch.zeros(2, 3, 50, 64, dtype=torch.float64)
+    bad = ref.clone().half()
+    bad[1, 2, 17:20, 32:64] = 1.0  # a block of rows, one warpgroup's columns
+    bad[1, 2, 18, 40] = 2.0
+    text = g._where(bad, ref, 0.01, "query row")
+    assert "worst at (batch 1, head 2, query row 18, col 40): got 2, want 0" in text
+    assert "96 of 19200 over 0.01 (0 not finite)" in text
+    assert "batches 1, heads 2, query rows 17-19 of 50, cols 32-63 of 64" in text
+    why, detail = [], []
+    errs = g._judge((bad, ref.half(), ref.half()), (ref, ref, ref), (1e-3,) * 3, "default", why,
+                    detail)
+    assert errs == [2.0, 0.0, 0.0]
+    assert why == ["default dq err 2 > bound 0.00201"]
+    assert len(detail) == 1 and detail[0].startswith("default dq worst at (batch 1, head 2")
+    bad[0, 0, 0, 0] = float("nan")
+    why = []
+    g._judge((ref.half(), bad, ref.half()), (ref, ref, ref), (1e-3,) * 3, "det", why, detail)
+    assert why == ["det dk err nan > bound 0.00201"] and len(detail) == 1  # the first one only
+    assert "(1 not finite)" in g._where(bad, ref, 0.01, "key row")
+
+
+def test_register_pool_of_setmaxnreg():
+    """setmaxnreg moves registers within what the block was launched with: a request beyond
+    that pool is a hang on the GPU, so the compile check refuses it."""
+    ptx = ("\tsetmaxnreg.inc.sync.aligned.u32 240;\n...\n"
+           "\tsetmaxnreg.dec.sync.aligned.u32 24;\n")
+    assert check.register_pool_reasons(ptx, 168, 384) == []  # 128 x 24 + 256 x 240 = 168 x 384
+    assert check.register_pool_reasons(ptx, 240, 256) == []
+    short = check.register_pool_reasons(ptx, 160, 384)
+    assert len(short) == 1 and "would wait forever" in short[0]
+    assert "against a launch count of 248" in check.register_pool_reasons(ptx, 248, 256)[0]
+    assert check.register_pool_reasons("no setmaxnreg here", None, 384) == []
+    assert "without a ptxas register count" in check.register_pool_reasons(ptx, None, 384)[0]
+
+
+@pytest.mark.build
+def test_sm90_backward_layouts_on_the_host():
+    """Without a GPU: the backward's register reinterpretations (accumulator -> wgmma A
+    operand, stmatrix of dS^T), the tiles' coverage and the transposed shared-memory views
+    agree for every valid configuration (check_sm90.py --layouts)."""
+    try:
+        check.find_nvcc()
+        check.cutlass_include()
+    except check.ToolUnavailable as e:
+        pytest.skip(f"cannot compile CUDA here: {e}")
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "check_sm90.py"), "--layouts",
+                          "--filter", "bwd_sm90_*"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) >= 6 and all(line.endswith(" 0 mismatches") for line in lines), res.stdout
+    assert any(line.startswith("bwd_sm90_f16_d128_m64n128_s2: ") for line in lines)

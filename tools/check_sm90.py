@@ -5,8 +5,14 @@ For every selected ``fwd_sm90_*`` or ``bwd_sm90_*`` configuration of the declare
 C++ rules accept (default: one of each, ``DEFAULT``), this check generates its ``.cu`` (csrc/gen_kernels.py), compiles
 it with the local nvcc to PTX and to an sm_90a object with ``ptxas -v``, and fails a kernel on
 a build error, any spill or stack frame, a PTX without ``wgmma.mma_async`` or without TMA
-loads (``cp.async.bulk.tensor``), or where ptxas serialized the asynchronous wgmma. One line
-per kernel, then ``N passed, M failed``.
+loads (``cp.async.bulk.tensor``), where ptxas serialized the asynchronous wgmma, or where the
+``setmaxnreg`` requests do not fit the registers the block is launched with (the consumers
+would wait forever). One line per kernel, then ``N passed, M failed``.
+
+``--layouts`` instead checks the selected backward configurations' register and shared-memory
+layouts on the host (no GPU, one host build): the accumulator registers reused as a wgmma A
+operand, the stmatrix store of dS^T, the tiles' coverage by the consumer threads and the
+transposed shared-memory views (:data:`LAYOUT_CHECK_CPP`); one line per configuration.
 Exit status: 0 all passed, 1 some failed, 2 the check could not run (no nvcc or CuTe).
 """
 
@@ -68,7 +74,139 @@ def parse_ptxas(log: str, entry: str | None = None) -> dict:
     return out
 
 
-def check_kernel(name: str, gen: Path, nvcc: Path, includes: list[Path]) -> tuple[bool, str]:
+def register_pool_reasons(ptx: str, registers: int | None, threads: int) -> list[str]:
+    """Why the setmaxnreg requests of a kernel cannot all be granted (empty: they can). The
+    block is launched with ptxas's register count for every thread (rounded up to 8, the
+    allocation granule); setmaxnreg only moves registers within that pool, so the producer
+    warpgroup's decrease plus the consumer warpgroups' increase must fit it, or the consumers'
+    setmaxnreg.inc waits forever (a hang on the GPU that no compiler reports). An increase
+    below the launch count, or a decrease above it, is refused too (not an increase/decrease)."""
+    dec = [int(x) for x in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", ptx)]
+    inc = [int(x) for x in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)]
+    if not dec and not inc:
+        return []
+    if registers is None:
+        return ["setmaxnreg without a ptxas register count to check it against"]
+    if len(set(dec)) > 1 or len(set(inc)) > 1 or not dec or not inc:
+        return [f"setmaxnreg: expected one decrease and one increase, got dec {dec} inc {inc}"]
+    launch = -(-registers // 8) * 8
+    d, i = dec[0], inc[0]
+    need = 128 * d + (threads - 128) * i
+    reasons = []
+    if need > launch * threads:
+        reasons.append(f"setmaxnreg asks for 128 x {d} + {threads - 128} x {i} = {need} registers, "
+                       f"the block has {launch} x {threads} = {launch * threads}: the consumers "
+                       "would wait forever")
+    if i < launch or d > launch:
+        reasons.append(f"setmaxnreg.inc {i} / .dec {d} against a launch count of {launch}")
+    return reasons
+
+
+# The backward's register and shared-memory layout facts, checked on the host (CuTe's layout
+# algebra runs there), for the --layouts mode: (1) the S^T / dP^T accumulator registers seen
+# through sm90::acc_as_operand_a are the A operand coordinates the register-sourced dV/dK wgmma
+# expects; (2) stmatrix moves each dS^T accumulator element to its own coordinate; (3) every
+# element of the S^T, dS^T store, dQ and dK/dV tiles is held by exactly one consumer thread;
+# (4) the transposed views K^T, Q^T / dO^T and dS^T address the element of the tile they view,
+# under the same swizzle.
+LAYOUT_CHECK_CPP = r"""#include <cstdio>
+#include <vector>
+#include "sparktune/sm90_bwd_traits.h"
+#include "sparktune/sm90_fwd_kernel.h"  // sm90::acc_as_operand_a
+using namespace cute;
+template <class Cfg> int verify(const char* name) {
+  using Tr = sparktune::Sm90BwdTraits<Cfg>;
+  constexpr int BN = Cfg::kBlockN, BM = Cfg::kBlockM;
+  typename Tr::TiledMmaSdP mma_sdp;
+  typename Tr::TiledMmaDkv mma_dkv;
+  auto copy_ds = make_tiled_copy_C(typename Tr::SmemCopyAtomDs{}, mma_sdp);
+  int bad = 0, checked = 0;
+  for (int tid = 0; tid < Cfg::kConsumerThreads; ++tid) {
+    auto cS = mma_sdp.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<Int<BN>, Int<BM>>{}));
+    // (1) accumulator registers seen as dkv's A operand == the A coordinates the RS MMA expects
+    auto asA = make_tensor(cS.data(), sparktune::sm90::acc_as_operand_a(cS.layout()));
+    auto wantA = mma_dkv.get_thread_slice(tid).partition_A(make_identity_tensor(Shape<Int<BN>, Int<BM>>{}));
+    static_assert(decltype(size(asA))::value == decltype(size(wantA))::value);
+    for (int m = 0; m < size<1>(wantA); ++m)
+      for (int k = 0; k < size<2>(wantA); ++k)
+        for (int v = 0; v < size<0>(wantA); ++v) {
+          ++checked;
+          if (asA(v, m, k) != wantA(v, m, k)) {
+            if (bad++ < 5) { printf("A mismatch tid %d v%d m%d k%d: ", tid, v, m, k); print(asA(v, m, k)); print(wantA(v, m, k)); printf("\n"); }
+          }
+        }
+    // (2) stmatrix: the retiled accumulator coordinates == the smem coordinates they go to
+    auto thr_copy = copy_ds.get_thread_slice(tid);
+    auto src = thr_copy.retile_S(cS);
+    auto dst = thr_copy.partition_S(make_identity_tensor(Shape<Int<BN>, Int<BM>>{}));
+    static_assert(decltype(size(src))::value == decltype(size(dst))::value);
+    for (int i = 0; i < size(src); ++i) {
+      ++checked;
+      if (src(i) != dst(i)) { if (bad++ < 5) { printf("copy mismatch tid %d i %d: ", tid, i); print(src(i)); print(dst(i)); printf("\n"); } }
+    }
+  }
+  // (3) every element of each tile is held by exactly one consumer thread: S^T/dP^T
+  //     accumulators, stmatrix destinations, dQ's accumulators (added to the workspace), dK/dV's
+  auto cover = [&](const char* what, int rows, int cols, auto coords_of) {
+    std::vector<int> hits(rows * cols, 0);
+    for (int tid = 0; tid < Cfg::kConsumerThreads; ++tid) {
+      auto c = coords_of(tid);
+      for (int i = 0; i < size(c); ++i) {
+        int r = get<0>(c(i)), q = get<1>(c(i));
+        if (r < 0 || r >= rows || q < 0 || q >= cols) { if (bad++ < 5) printf("%s out of tile\n", what); continue; }
+        ++hits[r * cols + q];
+      }
+    }
+    for (int i = 0; i < rows * cols; ++i) {
+      ++checked;
+      if (hits[i] != 1 && bad++ < 5) printf("%s: (%d, %d) held %d times\n", what, i / cols, i % cols, hits[i]);
+    }
+  };
+  typename Tr::TiledMmaDq mma_dq;
+  constexpr int D = Cfg::kHeadDim;
+  cover("S^T", BN, BM, [&](int t) { return mma_sdp.get_thread_slice(t).partition_C(make_identity_tensor(Shape<Int<BN>, Int<BM>>{})); });
+  cover("dS^T stmatrix", BN, BM, [&](int t) { return copy_ds.get_thread_slice(t).partition_D(make_identity_tensor(Shape<Int<BN>, Int<BM>>{})); });
+  cover("dQ", BM, D, [&](int t) { return mma_dq.get_thread_slice(t).partition_C(make_identity_tensor(Shape<Int<BM>, Int<D>>{})); });
+  cover("dK/dV", BN, D, [&](int t) { return mma_dkv.get_thread_slice(t).partition_C(make_identity_tensor(Shape<Int<BN>, Int<D>>{})); });
+  // (4) the transposed views address the same element as the tile they view
+  {
+    auto K = typename Tr::SmemLayoutK{}.layout_b(); auto Kt = typename Tr::SmemLayoutKt{}.layout_b();
+    for (int d = 0; d < D; ++d) for (int n = 0; n < BN; ++n) { ++checked; if (Kt(d, n) != K(n, d) && bad++ < 5) printf("Kt(%d,%d)\n", d, n); }
+    auto Q = typename Tr::SmemLayoutQ{}.layout_b(); auto Qt = typename Tr::SmemLayoutQt{}.layout_b();
+    for (int st = 0; st < Cfg::kStages; ++st) for (int d = 0; d < D; ++d) for (int m = 0; m < BM; ++m) { ++checked; if (Qt(d, m, st) != Q(m, d, st) && bad++ < 5) printf("Qt(%d,%d,%d)\n", d, m, st); }
+    auto S = typename Tr::SmemLayoutDs{}.layout_b(); auto St = typename Tr::SmemLayoutDst{}.layout_b();
+    for (int b = 0; b < 2; ++b) for (int n = 0; n < BN; ++n) for (int m = 0; m < BM; ++m) { ++checked; if (St(n, m, b) != S(m, n, b) && bad++ < 5) printf("Dst(%d,%d,%d)\n", n, m, b); }
+    // the same swizzle on both views of each tile
+    static_assert(std::is_same_v<decltype(typename Tr::SmemLayoutK{}.layout_a()), decltype(typename Tr::SmemLayoutKt{}.layout_a())>);
+    static_assert(std::is_same_v<decltype(typename Tr::SmemLayoutQ{}.layout_a()), decltype(typename Tr::SmemLayoutQt{}.layout_a())>);
+    static_assert(std::is_same_v<decltype(typename Tr::SmemLayoutDs{}.layout_a()), decltype(typename Tr::SmemLayoutDst{}.layout_a())>);
+  }
+  printf("%s: %d checked, %d mismatches\n", name, checked, bad);
+  return bad;
+}
+"""
+
+
+def check_layouts(entries: list[tuple[str, str]], gen: Path, nvcc: Path,
+                  includes: list[Path]) -> tuple[bool, str]:
+    """Compile and run :data:`LAYOUT_CHECK_CPP` on the host for (name, config type) pairs of the
+    backward; one line per configuration."""
+    calls = "\n".join(f'  bad += verify<sparktune::{t}>("{n}");' for n, t in entries)
+    src = gen / "sm90_bwd_layouts.cu"
+    src.write_text(LAYOUT_CHECK_CPP + "int main() {\n  int bad = 0;\n" + calls +
+                   "\n  return bad != 0;\n}\n")
+    exe = gen / "sm90_bwd_layouts"
+    res = subprocess.run([str(nvcc), "-std=c++17", "--expt-relaxed-constexpr", "-w",
+                          *[f"-I{i}" for i in includes], str(src), "-o", str(exe)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        return False, f"layouts: FAIL: host build error\n{res.stderr[-3000:]}"
+    res = subprocess.run([str(exe)], capture_output=True, text=True)
+    return res.returncode == 0, res.stdout.strip() + ("" if res.returncode == 0 else "\nlayouts: FAIL")
+
+
+def check_kernel(name: str, gen: Path, nvcc: Path, includes: list[Path],
+                 threads: int | None = None) -> tuple[bool, str]:
     src = gen / f"{name}.cu"
     inc = [f"-I{i}" for i in includes]
     ptx = gen / f"{name}.ptx"
@@ -94,6 +232,8 @@ def check_kernel(name: str, gen: Path, nvcc: Path, includes: list[Path]) -> tupl
         reasons.append(f"{st['stack_frame']} B stack frame")
     if st["registers"] is None:
         reasons.append("no ptxas report of the kernel")
+    if threads is not None:
+        reasons += register_pool_reasons(text, st["registers"], threads)
     if not n_wgmma:
         reasons.append("no wgmma.mma_async in the PTX")
     if not n_tma:
@@ -113,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--filter", default=DEFAULT,
                     help="comma-separated shell patterns of sm90 kernel names (default: %(default)s)")
     ap.add_argument("--keep", help="write the generated files here instead of a temporary folder")
+    ap.add_argument("--layouts", action="store_true",
+                    help="instead of compiling the kernels, check the selected backward "
+                         "configurations' register and shared-memory layouts on the host")
     args = ap.parse_args(argv)
     try:
         nvcc = find_nvcc()
@@ -131,12 +274,27 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r.split("\t") for r in (gen / "space.tsv").read_text().splitlines() if r.strip()]
     names = [r[0] for r in rows
              if r[1] == "1" and any(fnmatch.fnmatchcase(r[0], f"{op}_sm90_*") for op in ("fwd", "bwd"))]
+    threads = {r[0]: int(r[3]) for r in rows if r[1] == "1"}
     if not names:
         print(f"check_sm90: no valid sm90 kernel matches {args.filter!r}", file=sys.stderr)
         return 1
+    if args.layouts:
+        sys.path.insert(0, str(ROOT))
+        from sparktune.kernels import kernel_space
+
+        types = {e.name: e.config_type for e in kernel_space.full_space()}
+        bwd = [(n, types[n]) for n in names if n.startswith("bwd_sm90_")]
+        if not bwd:
+            print(f"check_sm90: no valid sm90 backward matches {args.filter!r}", file=sys.stderr)
+            return 1
+        ok, out = check_layouts(bwd, gen, nvcc, includes)
+        print(out)
+        if tmp is not None:
+            tmp.cleanup()
+        return 0 if ok else 1
     passed = failed = 0
     for name in names:
-        ok, line = check_kernel(name, gen, nvcc, includes)
+        ok, line = check_kernel(name, gen, nvcc, includes, threads[name])
         print(line, flush=True)
         passed += ok
         failed += not ok

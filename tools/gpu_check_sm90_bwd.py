@@ -3,19 +3,25 @@
 
     . tools/device_prep.sh 'bwd_sm90_*,default' \\
         && python3 tools/gpu_check_sm90_bwd.py --out "$OUT/bwd90.log"
-    python3 tools/gpu_check_sm90_bwd.py --kernels 'bwd_sm90_f16_d128_*' --no-speed
+    python3 tools/gpu_check_sm90_bwd.py --kernels 'bwd_sm90_f16_*' --no-speed   # first run
 
-Correctness, one subprocess per kernel (a hang or a crash costs that kernel's --kernel-timeout,
-not the run): odd shapes (seqlen 1, 17, 1000, 4097; seqlen_q != seqlen_k both ways, with rows
-that see no key under the causal mask; GQA 4:1 and MQA; (B,H,N,D), (B,N,H,D) and strided-head
-views), causal and not, in the kernel's dtype and head dim. The forward's output and
-log-sum-exp come from the float64 reference (so only the backward is judged); dq, dk and dv
-are compared with float64 autograd by FlashAttention's rule: the max abs error is at most twice
-PyTorch's own error in the same precision (the larger of plain matmul-softmax-matmul and math
-SDPA autograd) plus 1e-5. Default mode: a second run on the same inputs must pass the same
-bound (float atomics add dQ in any order). Deterministic mode: the same bound, and three runs
-must give bit-identical gradients. The first shape is tiny, so a kernel that hangs shows it at
-once.
+Correctness, one subprocess per kernel (a hang or a crash costs that kernel at most
+--idle-timeout seconds without output, or --kernel-timeout in all, not the run; the kernels
+left when --budget is spent are reported as not run): whole tiles first (128 x 128, one head:
+a failure there is a layout or pipeline bug), then odd shapes (seqlen 1, 17, 1000, 4097;
+seqlen_q != seqlen_k both ways, with rows that see no key under the causal mask; GQA 4:1 and
+MQA; (B,H,N,D), (B,N,H,D) and strided-head views), causal and not, in the kernel's dtype and
+head dim. A FAIL line is followed by where its first failing gradient is wrong: the worst
+element's (batch, head, row, col) with its value and the reference's, and the batches, heads,
+rows and columns holding elements over the bound, as index runs. The summary ends with the
+first failure. The forward's output and log-sum-exp come from the float64 reference (so only
+the backward is judged); dq, dk and dv are compared with float64 autograd by FlashAttention's
+rule: the max abs error is at most twice PyTorch's own error in the same precision (the larger
+of plain matmul-softmax-matmul and math SDPA autograd) plus 1e-5. A first pass over the shapes
+checks the default mode ("def" lines; a second run on the same inputs must pass the same bound:
+float atomics add dQ in any order), a second pass the deterministic mode ("det" lines: the same
+bound, and three runs must give bit-identical gradients), so that a hang of the dQ counters
+keeps the first pass's results.
 
 Speed (after correctness, within --speed-budget seconds, in its own subprocess): head dims 64
 and 128, causal and not, seqlen 2k/4k/8k/16k at 16k tokens, 12 heads, fp16. TFLOP/s of
@@ -43,8 +49,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-#: (batch, heads_q, heads_kv, seqlen_q, seqlen_k, layout); the first is tiny on purpose
+#: (batch, heads_q, heads_kv, seqlen_q, seqlen_k, layout). The first two are tiny on purpose:
+#: whole tiles without a tail (a failure there is a layout or pipeline bug, not masking), then
+#: seqlen 1 (every tile a tail); a hang shows at once.
 SHAPES = (
+    (1, 1, 1, 128, 128, "bhnd"),
     (2, 4, 4, 1, 1, "bhnd"),
     (2, 4, 4, 17, 17, "bnhd"),
     (2, 4, 4, 128, 128, "bhnd"),
@@ -96,17 +105,63 @@ def _run_bwd(torch, spark, name, dout, q, k, v, out, lse, causal, scale, determi
     return dq, dk, dv
 
 
-def _judge(grads, refs, bases, what, why: list[str]) -> list[float]:
-    """Errors of (dq, dk, dv); a reason appended to ``why`` for each over its bound."""
+def _ranges(idx: list[int], most: int = 6) -> str:
+    """[0, 1, 2, 5, 6, 9] -> "0-2,5-6,9" (the first ``most`` runs)."""
+    runs: list[list[int]] = []
+    for i in idx:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    text = ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs[:most])
+    return text + (f",... ({len(runs)} runs)" if len(runs) > most else "")
+
+
+def _where(g, ref, bound: float, rows: str) -> str:
+    """Where a gradient (batch, heads, rows, head_dim) is wrong: the worst element's index and
+    values, and which batches, heads, rows and columns have elements over ``bound``, as index
+    runs, so that a layout bug (a column range, every other 8 rows, one warpgroup's keys) or a
+    tail or mask bug (the last rows, the diagonal) can be told apart."""
+    import torch
+
+    err = (g.double() - ref).abs().nan_to_num(nan=math.inf)
+    flat = int(err.argmax())
+    b, h, r, c = (int(x) for x in torch.unravel_index(torch.tensor(flat), err.shape))
+    bad = err > bound
+    n_bad = int(bad.sum())
+    n_nonfinite = int((~torch.isfinite(g)).sum())
+
+    def runs(dim: int) -> str:  # the indices along ``dim`` that have a bad element
+        others = [i for i in range(4) if i != dim]
+        hit = bad.permute(dim, *others).reshape(bad.shape[dim], -1).any(dim=1)
+        return _ranges(hit.nonzero().flatten().tolist()) or "none"
+
+    return (f"worst at (batch {b}, head {h}, {rows} {r}, col {c}): got {float(g[b, h, r, c]):.4g}, "
+            f"want {float(ref[b, h, r, c]):.4g}; {n_bad} of {g.numel()} over {bound:.3g} "
+            f"({n_nonfinite} not finite); batches {runs(0)}, heads {runs(1)}, "
+            f"{rows}s {runs(2)} of {g.shape[2]}, cols {runs(3)} of {g.shape[3]}")
+
+
+def _judge(grads, refs, bases, what, why: list[str], detail: list[str] | None = None) -> list[float]:
+    """Errors of (dq, dk, dv); a reason appended to ``why`` for each over its bound, and where
+    it is wrong (:func:`_where`) to ``detail`` for the first failing gradient."""
     es = [_max_err(g, r) for g, r in zip(grads, refs, strict=True)]
-    for gname, e, base in zip(("dq", "dk", "dv"), es, bases, strict=True):
-        if not math.isfinite(e) or e > 2 * base + FLOOR:
-            why.append(f"{what} {gname} err {e:.3g} > bound {2 * base + FLOOR:.3g}")
+    for i, (gname, e, base) in enumerate(zip(("dq", "dk", "dv"), es, bases, strict=True)):
+        bound = 2 * base + FLOOR
+        if not math.isfinite(e) or e > bound:
+            why.append(f"{what} {gname} err {e:.3g} > bound {bound:.3g}")
+            if detail is not None and not detail:
+                rows = "query row" if gname == "dq" else "key row"
+                detail.append(f"{what} {gname} {_where(grads[i], refs[i], bound, rows)}")
     return es
 
 
-def worker_check(name: str) -> int:
-    """Print one PASS/FAIL line per (shape, causal) for kernel ``name``; 1 on any failure."""
+def worker_check(name: str, max_shapes: int) -> int:
+    """Print one PASS/FAIL line per (mode, shape, causal) for kernel ``name`` (the first
+    ``max_shapes`` shapes), a FAIL line followed by where its first failing gradient is wrong;
+    1 on any failure. Two passes over the shapes: the default mode (atomics in any order), then
+    the deterministic one (dQ counters, which wait on other blocks), so that a hang of the
+    second keeps every result of the first."""
     import torch
 
     from sparktune.backends.reference import reference_attention, reference_attention_backward
@@ -122,48 +177,67 @@ def worker_check(name: str) -> int:
     d = info["head_dim"]
     spark = SparkBackend()
     failed = 0
-    for shape in SHAPES:
-        b, hq, hk, nq, nk, layout = shape
-        gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr((shape, d, name)).encode()))
-        q = _make(torch, b, hq, nq, d, layout, dtype, gen)
-        k = _make(torch, b, hk, nk, d, layout, dtype, gen)
-        v = _make(torch, b, hk, nk, d, layout, dtype, gen)
-        dout = _make(torch, b, hq, nq, d, layout, dtype, gen)
-        scale = 1.0 / math.sqrt(d)
-        for causal in (False, True):
-            label = f"{name} b{b} h{hq}/{hk} q{nq} k{nk} {layout} {'causal' if causal else 'full'}"
-            why: list[str] = []
-            errs = [float("nan")] * 3
-            bases = [float("nan")] * 3
-            try:
-                with torch.no_grad():
-                    ref_out, ref_lse = reference_attention(q, k, v, causal=causal, scale=scale)
-                    refs = reference_attention_backward(dout, q, k, v, causal=causal, scale=scale)
-                lowps = []
-                for kind in ("plain", "sdpa"):
-                    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-                    with torch.enable_grad():
-                        o, _ = lowp_attention(*leaves, causal=causal, scale=scale, kind=kind)
-                        lowps.append(torch.autograd.grad(o, leaves, dout))
-                bases = [max(_max_err(lp[i], refs[i]) for lp in lowps) for i in range(3)]
-                args = (torch, spark, name, dout, q, k, v, ref_out.to(dtype),
-                        ref_lse.float().contiguous(), causal, scale)
-                errs = _judge(_run_bwd(*args, False), refs, bases, "default", why)
-                _judge(_run_bwd(*args, False), refs, bases, "default repeat", why)
-                det = [_run_bwd(*args, True) for _ in range(DET_RUNS)]
-                _judge(det[0], refs, bases, "deterministic", why)
-                for i in range(1, DET_RUNS):
-                    if not all(torch.equal(a, c) for a, c in zip(det[0], det[i], strict=True)):
-                        why.append(f"deterministic run {i + 1} not bit-identical to run 1")
-                        break
-            except Exception as exc:  # one check fails, the rest run
-                why.append(f"{type(exc).__name__}: {exc}")
-            ok = not why
-            failed += not ok
-            errs_s = " ".join(f"{n}={e:.2e}({bs:.2e})"
-                              for n, e, bs in zip(("dq", "dk", "dv"), errs, bases, strict=True))
-            print(f"{'PASS' if ok else 'FAIL'} {label:<80} {errs_s}"
-                  + ("" if ok else "  " + "; ".join(why)), flush=True)
+    print(f"START {name}: {info['threads']} threads, {info['smem_bytes']} B shared memory",
+          flush=True)
+    cases: dict = {}  # (shape, causal) -> (args of _run_bwd, refs, bases), made in the first pass
+
+    def case(shape, causal):
+        if (shape, causal) not in cases:
+            b, hq, hk, nq, nk, layout = shape
+            gen = torch.Generator(device="cuda").manual_seed(
+                zlib.crc32(repr((shape, d, name)).encode()))
+            q = _make(torch, b, hq, nq, d, layout, dtype, gen)
+            k = _make(torch, b, hk, nk, d, layout, dtype, gen)
+            v = _make(torch, b, hk, nk, d, layout, dtype, gen)
+            dout = _make(torch, b, hq, nq, d, layout, dtype, gen)
+            scale = 1.0 / math.sqrt(d)
+            with torch.no_grad():
+                ref_out, ref_lse = reference_attention(q, k, v, causal=causal, scale=scale)
+                refs = reference_attention_backward(dout, q, k, v, causal=causal, scale=scale)
+            lowps = []
+            for kind in ("plain", "sdpa"):
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                with torch.enable_grad():
+                    o, _ = lowp_attention(*leaves, causal=causal, scale=scale, kind=kind)
+                    lowps.append(torch.autograd.grad(o, leaves, dout))
+            bases = [max(_max_err(lp[i], refs[i]) for lp in lowps) for i in range(3)]
+            args = (torch, spark, name, dout, q, k, v, ref_out.to(dtype),
+                    ref_lse.float().contiguous(), causal, scale)
+            cases[(shape, causal)] = (args, refs, bases)
+        return cases[(shape, causal)]
+
+    for mode in ("default", "deterministic"):
+        for shape in SHAPES[:max_shapes]:
+            b, hq, hk, nq, nk, layout = shape
+            for causal in (False, True):
+                label = (f"{mode[:3]} {name} b{b} h{hq}/{hk} q{nq} k{nk} {layout} "
+                         f"{'causal' if causal else 'full'}")
+                why: list[str] = []
+                detail: list[str] = []
+                errs = [float("nan")] * 3
+                bases = [float("nan")] * 3
+                try:
+                    args, refs, bases = case(shape, causal)
+                    if mode == "default":
+                        errs = _judge(_run_bwd(*args, False), refs, bases, mode, why, detail)
+                        _judge(_run_bwd(*args, False), refs, bases, "default repeat", why, detail)
+                    else:
+                        det = [_run_bwd(*args, True) for _ in range(DET_RUNS)]
+                        errs = _judge(det[0], refs, bases, mode, why, detail)
+                        for i in range(1, DET_RUNS):
+                            if not all(torch.equal(a, c) for a, c in zip(det[0], det[i], strict=True)):
+                                why.append(f"deterministic run {i + 1} not bit-identical to run 1")
+                                break
+                except Exception as exc:  # one check fails, the rest run
+                    why.append(f"{type(exc).__name__}: {exc}")
+                ok = not why
+                failed += not ok
+                errs_s = " ".join(f"{n}={e:.2e}({bs:.2e})"
+                                  for n, e, bs in zip(("dq", "dk", "dv"), errs, bases, strict=True))
+                print(f"{'PASS' if ok else 'FAIL'} {label:<84} {errs_s}"
+                      + ("" if ok else "  " + "; ".join(why)), flush=True)
+                for line in detail:
+                    print(f"     {line}", flush=True)
     return 1 if failed else 0
 
 
@@ -271,6 +345,48 @@ def worker_speed(names: list[str], rounds: int, budget_s: float) -> int:
 
 
 # ---------------------------------------------------------------- parent
+def _run_worker(cmd, env, timeout: float, idle: float, log):
+    """Run a worker, logging its output (stdout and stderr) line by line as it comes. It is
+    killed after ``timeout`` seconds, or after ``idle`` seconds without a line (a hung kernel
+    never returns, and the first shapes take seconds). Returns (stdout lines, exit status,
+    why it was killed or None)."""
+    import queue
+    import threading
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=ROOT, bufsize=1)
+    lines_q: queue.Queue = queue.Queue()
+
+    def pump():
+        for line in proc.stdout:
+            lines_q.put(line.rstrip("\n"))
+        lines_q.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    lines: list[str] = []
+    start = last = time.time()
+    why = None
+    while True:
+        now = time.time()
+        wait = min(start + timeout - now, last + idle - now)
+        if wait <= 0:
+            why = (f"timed out after {timeout:.0f} s" if now >= start + timeout
+                   else f"no output for {idle:.0f} s (hang?)")
+            proc.kill()
+            break
+        try:
+            line = lines_q.get(timeout=wait)
+        except queue.Empty:
+            continue
+        if line is None:
+            break
+        last = time.time()
+        lines.append(line)
+        log(line)
+    rc = proc.wait()
+    return lines, rc, why
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernels", default="bwd_sm90_*", help="shell patterns, comma-separated")
@@ -280,11 +396,18 @@ def main(argv=None) -> int:
     ap.add_argument("--speed-budget", type=float, default=120.0, help="seconds for the speed table")
     ap.add_argument("--kernel-timeout", type=float, default=240.0,
                     help="seconds for one kernel's correctness checks (its subprocess is killed)")
+    ap.add_argument("--idle-timeout", type=float, default=90.0,
+                    help="seconds a kernel's checks may print nothing before they count as hung")
+    ap.add_argument("--budget", type=float, default=450.0,
+                    help="seconds for the correctness checks of all kernels, a hard end (a "
+                         "kernel's checks are cut there); the kernels left are reported as not run")
+    ap.add_argument("--max-shapes", type=int, default=len(SHAPES),
+                    help="check only the first N shapes of SHAPES (the first two are tiny)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--speed-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        return worker_check(args.worker)
+        return worker_check(args.worker, args.max_shapes)
 
     log = Log(args.out)
     try:
@@ -322,34 +445,44 @@ def main(argv=None) -> int:
     env = dict(os.environ)
     me = [sys.executable, str(Path(__file__).resolve())]
     failures: list[str] = []
+    first_fail: list[str] = []  # the first FAIL line and the lines that say where
     passed = 0
     t0 = time.time()
-    for name in names:
-        t1 = time.time()
-        try:
-            res = subprocess.run([*me, "--worker", name], capture_output=True, text=True,
-                                 timeout=args.kernel_timeout, env=env, cwd=ROOT)
-            lines = res.stdout.splitlines()
-            for line in lines:
-                log(line)
-            fails = [ln for ln in lines if ln.startswith("FAIL")]
-            passed += sum(ln.startswith("PASS") for ln in lines)
-            failures += fails
-            if res.returncode != 0 and not fails:
-                failures.append(f"FAIL {name}: worker exited {res.returncode}: {res.stderr[-2000:]}")
-                log(failures[-1])
-            elif res.stderr.strip() and res.returncode != 0:
-                log(res.stderr[-2000:])
-        except subprocess.TimeoutExpired as exc:
-            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            for line in out.splitlines():
-                log(line)
-            failures.append(f"FAIL {name}: timed out after {args.kernel_timeout:.0f} s (hang?)")
+    deadline = t0 + args.budget  # a hard end: the last kernel gets what is left of it
+    for i, name in enumerate(names):
+        left = deadline - time.time()
+        if left < 30:
+            failures.append(f"FAIL {name}: not run (the --budget of {args.budget:.0f} s is spent; "
+                            f"also not run: {', '.join(names[i + 1:]) or 'none'})")
             log(failures[-1])
+            break
+        t1 = time.time()
+        lines, rc, why = _run_worker([*me, "--worker", name, "--max-shapes", str(args.max_shapes)],
+                                     env, min(args.kernel_timeout, left), args.idle_timeout, log)
+        fails = [ln for ln in lines if ln.startswith("FAIL")]
+        passed += sum(ln.startswith("PASS") for ln in lines)
+        failures += fails
+        if fails and not first_fail:
+            at = lines.index(fails[0])
+            first_fail = [lines[at]] + [ln for ln in lines[at + 1:at + 3] if ln.startswith("     ")]
+        if why is not None:
+            done = sum(ln.startswith(("PASS", "FAIL")) for ln in lines)
+            failures.append(f"FAIL {name}: {why} after {done} checks; the one that hung is the "
+                            "next (mode, shape, causal) after the last line printed")
+            log(failures[-1])
+            first_fail = first_fail or [failures[-1]]
+        elif rc != 0 and not fails:
+            failures.append(f"FAIL {name}: worker exited {rc}")
+            log(failures[-1])
+            first_fail = first_fail or [failures[-1]]
         log(f"  ({name}: {time.time() - t1:.0f} s)")
     log(f"\ncorrectness: {passed} passed, {len(failures)} failed ({time.time() - t0:.0f} s)")
     for f in failures:
         log("  " + f)
+    if first_fail:
+        log("first failure:")
+        for line in first_fail:
+            log("  " + line.strip())
     if not args.no_speed:
         try:
             res = subprocess.run([*me, "--speed-worker", "--kernels", args.kernels,

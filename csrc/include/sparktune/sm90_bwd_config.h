@@ -60,7 +60,8 @@ struct Sm90BwdConfig {
   // copies P^T and dS^T (half as many registers); kRegOverhead for addresses, descriptors,
   // coordinates and loop state. ptxas -v for sm_90a: head dim 64 with block_m 128 (272 by this
   // count) made ptxas serialize the wgmma for lack of registers; head dim 128 with block_m 64
-  // (240) is at the edge.
+  // (240) is at the edge: it spilled 4 B while dS^T went to shared memory in element stores
+  // (one swizzled address each), none with stmatrix.
   static constexpr int kRegOverhead = 16;
   static constexpr int kRegsDkv = 2 * 64 * kHeadDim / 128;
   static constexpr int kRegsSdP = 2 * 64 * kBlockM / 128;

@@ -75,6 +75,13 @@ CUTE_DEVICE int load_acquire(const int* ptr) {
   return v;
 }
 
+// A release store at GPU scope: whatever this thread has observed before it (the other
+// consumer threads' dQ atomics, through the named barrier that precedes it) is visible to a
+// thread whose acquire load reads the value.
+CUTE_DEVICE void store_release(int* ptr, int v) {
+  asm volatile("st.global.release.gpu.b32 [%0], %1;" : : "l"(ptr), "r"(v) : "memory");
+}
+
 // The query row blocks a key block sees: [m_begin, m_blocks). Causal (bottom-right): key j is
 // seen by rows i >= j - (seqlen_k - seqlen_q).
 struct BwdWalk {
@@ -128,7 +135,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // named barriers of the consumer warpgroups (ids after the reserved ones)
   constexpr int kBarDsReady = 1;
   constexpr int kBarDqOrder = 2;
-  static_assert(cosize_v<typename Traits::SmemLayoutKV> * sizeof(T) == Traits::kSmemK &&
+  static_assert(cosize_v<typename Traits::SmemLayoutK> * sizeof(T) == Traits::kSmemK &&
+                    cosize_v<typename Traits::SmemLayoutV> * sizeof(T) == Traits::kSmemV &&
                     cosize_v<typename Traits::SmemLayoutQ> * sizeof(T) == Traits::kSmemQ &&
                     cosize_v<typename Traits::SmemLayoutDs> * sizeof(T) == Traits::kSmemDs,
                 "the shared-memory rule of sm90_bwd_config.h disagrees with the layouts");
@@ -165,8 +173,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
   __syncthreads();
 
-  Tensor sK = make_tensor(make_smem_ptr(st.k()), typename Traits::SmemLayoutKV{});
-  Tensor sV = make_tensor(make_smem_ptr(st.v()), typename Traits::SmemLayoutKV{});
+  Tensor sK = make_tensor(make_smem_ptr(st.k()), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(st.v()), typename Traits::SmemLayoutV{});
   Tensor sKt = make_tensor(make_smem_ptr(st.k()), typename Traits::SmemLayoutKt{});
   Tensor sQ = make_tensor(make_smem_ptr(st.q()), typename Traits::SmemLayoutQ{});
   Tensor sQt = make_tensor(make_smem_ptr(st.q()), typename Traits::SmemLayoutQt{});
@@ -257,7 +265,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor tKrQt = thr_dkv.partition_fragment_B(sQt);
   Tensor tQrDs = thr_dq.partition_fragment_A(sDs);    // (MMA, MMA_M, MMA_K, 2)
   Tensor tQrKt = thr_dq.partition_fragment_B(sKt);
-  Tensor tDSsDst = thr_sdp.partition_C(sDst);          // (MMA, MMA_M, MMA_N, 2)
+  auto copy_ds = make_tiled_copy_C(typename Traits::SmemCopyAtomDs{}, mma_sdp);
+  auto thr_copy_ds = copy_ds.get_thread_slice(ctid);
+  Tensor tDSsDst = thr_copy_ds.partition_D(sDst);     // (CPY, CPY_M, CPY_N, 2)
 
   Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
@@ -319,7 +329,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         Tensor rP = convert_fragment<T>(acc_s);
         Tensor rDs = convert_fragment<T>(acc_dp);
         // dS^T to shared memory (dQ reads it as dS), before the register operands go in flight
-        cute::copy(rDs, tDSsDst(_, _, _, buf));
+        cute::copy(copy_ds, thr_copy_ds.retile_S(rDs), tDSsDst(_, _, _, buf));
         cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> wgmma reads
 
         // dV += P^T dO, dK += dS^T Q
@@ -343,7 +353,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
         float* dq = p.dq_accum + (bh * p.seqlen_q + row0) * kHeadDim;
         int* sem = deterministic ? p.dq_semaphore + bh * walk.m_blocks + m : nullptr;
-        if (deterministic) {  // wait until key blocks 0 .. n_block - 1 have added theirs
+        // Deterministic: wait until key blocks 0 .. n_block - 1 have added theirs. These are
+        // exactly the key blocks that visit this row block (m_begin does not decrease with
+        // n_block), and none of them waits for this one: each waits only for lower key blocks
+        // of the same (kv head, batch), i.e. lower linear block indices (x is the fastest grid
+        // dimension), which the hardware dispatches first, so they are resident or finished
+        // even when the grid is larger than what fits at once; key block 0 never waits.
+        if (deterministic) {
           if (ctid == 0) {
             while (sm90::load_acquire(sem) != n_block) __nanosleep(64);
           }
@@ -351,9 +367,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
         add_dq<kHeadDim>(dq, acc_dq, tQcQ, p.seqlen_q - row0);
         if (deterministic) {
+          // every thread's atomics are performed at GPU scope before the barrier; the release
+          // store after it orders them (cumulatively) before the next key block's acquire
           __threadfence();
           cutlass::arch::NamedBarrier::sync(kConsumerThreads, kBarDqOrder);
-          if (ctid == 0) atomicExch(sem, n_block + 1);
+          if (ctid == 0) sm90::store_release(sem, n_block + 1);
         }
       }
     }

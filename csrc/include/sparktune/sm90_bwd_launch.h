@@ -54,11 +54,11 @@ cudaError_t launch_sm90_bwd(BwdParams const& p, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_LOAD{},
                     view(p.k, p.seqlen_k, p.heads_kv, p.batch, p.k_row_stride, p.k_head_stride,
                          p.k_batch_stride),
-                    typename Traits::SmemLayoutKV{}, TileKV{}, _1{}),
+                    typename Traits::SmemLayoutK{}, TileKV{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{},
                     view(p.v, p.seqlen_k, p.heads_kv, p.batch, p.v_row_stride, p.v_head_stride,
                          p.v_batch_stride),
-                    typename Traits::SmemLayoutKV{}, TileKV{}, _1{}),
+                    typename Traits::SmemLayoutV{}, TileKV{}, _1{}),
   };
   dim3 row_grid(ceil_div(p.seqlen_q, kRowKernelRows), p.heads_q, p.batch);
   bwd_preprocess_kernel<T><<<row_grid, kRowKernelThreads, 0, stream>>>(p);

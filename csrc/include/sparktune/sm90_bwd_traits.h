@@ -1,5 +1,6 @@
 // The types of one Hopper backward configuration: wgmma tiled MMAs of the five products, GMMA
-// shared-memory layouts (128-byte swizzle) with their transposed views, and the TMA copy types.
+// shared-memory layouts (128-byte swizzle; K's 64-byte where dQ reads it in 32-column slices)
+// with their transposed views, the stmatrix copy of dS^T, and the TMA copy types.
 // Only instantiated for a valid configuration (sm90_bwd_config.h).
 #pragma once
 
@@ -8,8 +9,11 @@
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/atom/mma_atom.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/arch/copy_sm90.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm90.hpp>
+
+#include <type_traits>
 
 #include "params.h"
 #include "sm90_bwd_config.h"
@@ -53,9 +57,18 @@ struct Sm90BwdTraits : Config {
 
   // ---- shared memory ----
   using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;  // 8 rows x 128 bytes
-  using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<BlockN, HeadDim>{}));
+  using SmemLayoutV = decltype(tile_to_shape(SmemAtom{}, Shape<BlockN, HeadDim>{}));
+  // K is also dQ's B operand, read MN-major in slices of kDqCols head-dim columns, one per
+  // warpgroup. Its swizzle atom is no wider than a slice, so that every warpgroup's slice
+  // starts on an atom (FlashAttention-3 makes the same choice): with head dim 64 and two
+  // warpgroups (slices of 32 columns, 64 bytes) the 64-byte swizzle, else the 128-byte one.
+  static_assert(kDqCols * int(sizeof(Element)) % 64 == 0, "dQ's head-dim slices of 64 or 128 bytes");
+  using SmemAtomK = std::conditional_t<kDqCols * int(sizeof(Element)) % 128 == 0,
+                                       GMMA::Layout_K_SW128_Atom<Element>,
+                                       GMMA::Layout_K_SW64_Atom<Element>>;
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{}, Shape<BlockN, HeadDim>{}));
   using SmemLayoutKt = decltype(composition(
-      SmemLayoutKV{}, make_ordered_layout(Shape<HeadDim, BlockN>{}, Step<_2, _1>{})));
+      SmemLayoutK{}, make_ordered_layout(Shape<HeadDim, BlockN>{}, Step<_2, _1>{})));
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<BlockM, HeadDim, StagesT>{}));
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_ordered_layout(Shape<HeadDim, BlockM, StagesT>{}, Step<_2, _1, _3>{})));
@@ -65,6 +78,9 @@ struct Sm90BwdTraits : Config {
   using SmemLayoutDs = decltype(tile_to_shape(SmemAtomDs{}, Shape<BlockM, BlockN, _2>{}));
   using SmemLayoutDst = decltype(composition(
       SmemLayoutDs{}, make_ordered_layout(Shape<BlockN, BlockM, _2>{}, Step<_2, _1, _3>{})));
+  // dS^T from the accumulator registers to shared memory with stmatrix: the accumulator's
+  // columns (queries) are the contiguous dimension of the layout, so the non-transposing form
+  using SmemCopyAtomDs = Copy_Atom<SM90_U32x4_STSM_N, Element>;
 
   // ---- TMA: 4-D views (row, head_dim, head, batch) with the caller's strides ----
   using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
@@ -74,8 +90,10 @@ struct Sm90BwdTraits : Config {
                                           GmemLayout{}));
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
                                       Shape<BlockM, HeadDim>{}, _1{}));
-  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{},
-                                       Shape<BlockN, HeadDim>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{},
+                                      Shape<BlockN, HeadDim>{}, _1{}));
+  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutV{},
+                                      Shape<BlockN, HeadDim>{}, _1{}));
 
   static constexpr int kTmaBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kTmaBytesKV = kBlockN * kHeadDim * int(sizeof(Element));
@@ -88,8 +106,8 @@ struct Sm90BwdArgs {
   BwdParams p;
   typename Traits::TmaQ tma_q;
   typename Traits::TmaQ tma_do;
-  typename Traits::TmaKV tma_k;
-  typename Traits::TmaKV tma_v;
+  typename Traits::TmaK tma_k;
+  typename Traits::TmaV tma_v;
 };
 
 }  // namespace sparktune
