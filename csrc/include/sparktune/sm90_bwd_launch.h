@@ -9,7 +9,7 @@
 #include "launch_common.h"
 #include "registry.h"
 #include "sm90_bwd_kernel.h"
-#include "sm90_fwd_launch.h"  // sm90_tma_compatible
+#include "sm90_fwd_launch.h"  // sm90_tma_compatible, tma_gmem_view
 
 namespace sparktune {
 
@@ -17,13 +17,9 @@ template <class Traits>
 cudaError_t launch_sm90_bwd(BwdParams const& p, cudaStream_t stream) {
   using T = typename Traits::Element;
   // TMA reads q, k, v (the forward's rule) and dout
-  auto ok_stride = [](int64_t s) {
-    const int64_t bytes = s * int64_t(sizeof(T));
-    return bytes > 0 && bytes % 16 == 0 && bytes < (int64_t(1) << 40);
-  };
-  if (!sm90_tma_compatible<T>(p) || reinterpret_cast<uintptr_t>(p.dout) % 16 != 0 ||
-      !ok_stride(p.do_row_stride) || !ok_stride(p.do_head_stride) ||
-      !ok_stride(p.do_batch_stride)) {
+  if (!sm90_tma_compatible<T>(p) || !tma_pointer_ok(p.dout) ||
+      !tma_stride_ok<T>(p.do_row_stride) || !tma_stride_ok<T>(p.do_head_stride) ||
+      !tma_stride_ok<T>(p.do_batch_stride)) {
     return cudaErrorInvalidValue;
   }
   constexpr int kSmem = Traits::kSmemBytes;
@@ -31,13 +27,7 @@ cudaError_t launch_sm90_bwd(BwdParams const& p, cudaStream_t stream) {
   if (cudaError_t err = ensure_smem_limit<&sm90_bwd_kernel<Traits>>(kSmem); err != cudaSuccess) {
     return err;
   }
-  auto view = [](const void* ptr, int seqlen, int heads, int batch, int64_t row, int64_t hs,
-                 int64_t bs) {
-    return make_tensor(make_gmem_ptr(static_cast<T const*>(ptr)),
-                       make_layout(make_shape(int32_t(seqlen), int32_t(Traits::kHeadDim),
-                                              int32_t(heads), int32_t(batch)),
-                                   make_stride(row, _1{}, hs, bs)));
-  };
+  auto view = &tma_gmem_view<T, Traits::kHeadDim>;
   using TileQ = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>;
   using TileKV = Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>;
   auto smem_q = take<0, 2>(typename Traits::SmemLayoutQ{});

@@ -13,20 +13,35 @@
 namespace sparktune {
 
 // TMA reads a tensor whose base address is 16-byte aligned and whose strides (in bytes) are
-// multiples of 16 below 2^40. False when q, k, v or o break that: the launch then refuses
-// (the Python backend says why before it gets here).
+// multiples of 16 below 2^40.
+inline bool tma_pointer_ok(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+template <class Element>
+bool tma_stride_ok(int64_t s) {
+  const int64_t bytes = s * int64_t(sizeof(Element));
+  return bytes > 0 && bytes % 16 == 0 && bytes < (int64_t(1) << 40);
+}
+
+// False when q, k, v or o break TMA's rule: the launch then refuses (the Python backend says
+// why before it gets here).
 template <class Element>
 bool sm90_tma_compatible(FwdParams const& p) {
-  auto ok_ptr = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  auto ok_stride = [](int64_t s) {
-    const int64_t bytes = s * int64_t(sizeof(Element));
-    return bytes > 0 && bytes % 16 == 0 && bytes < (int64_t(1) << 40);
-  };
-  return ok_ptr(p.q) && ok_ptr(p.k) && ok_ptr(p.v) && ok_ptr(p.o) &&
-         ok_stride(p.q_row_stride) && ok_stride(p.q_head_stride) && ok_stride(p.q_batch_stride) &&
-         ok_stride(p.k_row_stride) && ok_stride(p.k_head_stride) && ok_stride(p.k_batch_stride) &&
-         ok_stride(p.v_row_stride) && ok_stride(p.v_head_stride) && ok_stride(p.v_batch_stride) &&
-         ok_stride(p.o_row_stride);
+  auto ok = [](int64_t s) { return tma_stride_ok<Element>(s); };
+  return tma_pointer_ok(p.q) && tma_pointer_ok(p.k) && tma_pointer_ok(p.v) && tma_pointer_ok(p.o) &&
+         ok(p.q_row_stride) && ok(p.q_head_stride) && ok(p.q_batch_stride) &&
+         ok(p.k_row_stride) && ok(p.k_head_stride) && ok(p.k_batch_stride) &&
+         ok(p.v_row_stride) && ok(p.v_head_stride) && ok(p.v_batch_stride) && ok(p.o_row_stride);
+}
+
+// A (row, head_dim, head, batch) view of q, k, v or dout with the caller's strides, what the
+// TMA descriptors are built from (TMA zero-fills what lies past seqlen).
+template <class Element, int kHeadDim>
+auto tma_gmem_view(const void* ptr, int seqlen, int heads, int batch, int64_t row, int64_t hs,
+                   int64_t bs) {
+  return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
+                     make_layout(make_shape(int32_t(seqlen), int32_t(kHeadDim), int32_t(heads),
+                                            int32_t(batch)),
+                                 make_stride(row, _1{}, hs, bs)));
 }
 
 // The SM count of the current device, asked once per device.
@@ -56,15 +71,8 @@ cudaError_t launch_sm90_fwd(FwdParams const& p, cudaStream_t stream) {
   if (cudaError_t err = ensure_smem_limit<&sm90_fwd_kernel<Traits>>(kSmem); err != cudaSuccess) {
     return err;
   }
-  // (row, head_dim, head, batch) views with the caller's strides; TMA zero-fills what lies
-  // past seqlen (the key tail is masked, the query tail is not stored)
-  auto view = [](const void* ptr, int seqlen, int heads, int batch, int64_t row, int64_t hs,
-                 int64_t bs) {
-    return make_tensor(make_gmem_ptr(static_cast<T const*>(ptr)),
-                       make_layout(make_shape(int32_t(seqlen), int32_t(Traits::kHeadDim),
-                                              int32_t(heads), int32_t(batch)),
-                                   make_stride(row, _1{}, hs, bs)));
-  };
+  // the key tail is masked, the query tail is not stored
+  auto view = &tma_gmem_view<T, Traits::kHeadDim>;
   Sm90FwdArgs<Traits> args{
       p,
       make_tma_copy(SM90_TMA_LOAD{},
