@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ from sparktune.db import Store
 from sparktune.problem import Problem
 from sparktune.tune import CostTimer
 from tests._store_helpers import DEVICE, known_cost, registered_plugin
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_no_gpu_is_one_clear_line(capsys, monkeypatch):
@@ -34,6 +37,26 @@ def test_defaults_of_the_readme_example():
         Problem("bwd", "float16", 1, 12, 12, 8192, 8192, 128, False),
     ]
     assert extra == {}
+
+
+def test_op_keeps_that_op_of_a_recipe():
+    recipe = ROOT / "recipes" / "fa2-long-sequence.yaml"
+    every, _ = tune_cli.problems_from_args(build_parser().parse_args(["tune", "--recipe", str(recipe)]))
+    assert {p.op for p in every} == {"fwd", "bwd"}
+    for op in ("fwd", "bwd"):
+        args = build_parser().parse_args(["tune", "--recipe", str(recipe), "--op", op])
+        problems, _ = tune_cli.problems_from_args(args)
+        assert problems == [p for p in every if p.op == op]
+    both = build_parser().parse_args(["tune", "--recipe", str(recipe), "--op", "both"])
+    assert tune_cli.problems_from_args(both)[0] == every
+
+
+def test_op_of_a_recipe_without_it_is_an_error(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: fwd-only\ndefaults:\n  heads: 4\n  head_dim: 64\n  ops: [fwd]\nshapes:\n  - seqlen: [128]\n")
+    args = build_parser().parse_args(["tune", "--recipe", str(recipe), "--op", "bwd"])
+    with pytest.raises(ValueError, match="has no bwd problem"):
+        tune_cli.problems_from_args(args)
 
 
 def test_every_shape_option():

@@ -19,7 +19,8 @@ def add_parser(subparsers: Any) -> None:
         "the reference first), store every measurement, and show the best. Dispatch uses the "
         "winners from then on.",
     )
-    shape = p.add_argument_group("problem (ignored with --recipe)")
+    shape = p.add_argument_group("problem (ignored with --recipe, but for --op fwd or bwd: that "
+                                 "op's problems of the recipe)")
     shape.add_argument("--seqlen", type=int, metavar="N", help="query sequence length (required without --recipe)")
     shape.add_argument("--seqlen-k", type=int, metavar="N", help="key/value sequence length (default: --seqlen)")
     shape.add_argument("--batch", type=int, default=1, metavar="N", help="batch size (default 1)")
@@ -116,7 +117,12 @@ def problems_from_args(args: argparse.Namespace) -> tuple[list[Any], dict[str, A
     _check_budget(args)
     if args.recipe:
         recipe = load_recipe(args.recipe)
-        return list(recipe.problems), {
+        problems = list(recipe.problems)
+        if args.op in ("fwd", "bwd"):  # the recipe's problems of that op only
+            problems = [p for p in problems if p.op == args.op]
+            if not problems:
+                raise ValueError(f"--op {args.op}: the recipe {recipe.name!r} has no {args.op} problem")
+        return problems, {
             "trials": recipe.trials,
             "timeout": recipe.timeout,
             "backends": recipe.backends,
