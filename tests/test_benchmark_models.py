@@ -4,6 +4,7 @@ with the tiny preset (the timing runs themselves need a GPU)."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -75,6 +76,26 @@ def test_cpu_run_reports_both_implementations(capsys):
     # the timing wrappers are gone
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_before
     assert "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
+
+
+def test_cpu_decode_generates_the_same_tokens_on_the_decode_route(capsys):
+    """The decode mode: greedy steps against a static cache prefilled once, the sparktune steps
+    through attention_with_kvcache (the integration's decode count), the same tokens as SDPA,
+    and tokens per second counting the generated tokens."""
+    new = 3
+    assert models.main([*TINY, "--mode", "decode", "--new-tokens", str(new), "--rounds", "2",
+                        "--json", "--no-attention-timing"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (case,) = doc["cases"]
+    assert case["mode"] == "decode" and doc["settings"]["new_tokens"] == new
+    layers = models.PRESETS["tiny"].layers
+    # the timed sparktune steps: 2 rounds x 1 step x new tokens x layers, all on the decode route
+    assert case["integration"] == {"sparktune": 2 * new * layers, "sparktune_decode": 2 * new * layers}
+    assert case["difference"] == 0.0  # the same generated token ids
+    for result in case["results"].values():
+        assert len(result["step_ms_all"]) == 2
+        median = statistics.median(result["step_ms_all"])
+        assert result["tokens_per_s"] == pytest.approx(1 * new / (median / 1e3))
 
 
 def test_table_and_target(capsys):

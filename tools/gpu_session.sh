@@ -12,7 +12,8 @@
 #       sm90 (tools/gpu_check_sm90.py on the built fwd_sm90 kernels), sm90bwd (the Hopper
 #       backward's device check, correctness only), sanitize:K1+K2 (compute-sanitizer on those
 #       kernels), ncu:KERNEL (Nsight Compute), features (the Triton features' check, no timing),
-#       decode (tools/gpu_check_decode.py and bench/decode_bandwidth.py).
+#       decode (tools/gpu_check_decode.py and bench/decode_bandwidth.py), modelsdecode (the
+#       models' greedy decoding against a static cache of 2k and 8k tokens).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -84,6 +85,10 @@ for step in "$@"; do
       tail -2 "$logs/decode.log"
       timeout 240 python3 bench/decode_bandwidth.py --out "$logs/decode_bw.txt" > /dev/null 2>&1
       tail -16 "$logs/decode_bw.txt" ;;
+    modelsdecode)
+      SPARKTUNE_DB=/tmp/fresh-$$.sqlite3 timeout 300 python3 -m sparktune.benchmark.models --mode decode \
+        --seqlen 2048 8192 --batch 8 > "$logs/modelsdecode.log" 2>&1 || rc=1
+      grep -E "decode|geomean" "$logs/modelsdecode.log" ;;
     recipe:*)
       IFS=: read -r _ file secs <<< "$step"
       timeout "$secs" python3 -m sparktune tune --recipe "$file" --no-leases --no-progress \

@@ -18,6 +18,13 @@ SDPA first in odd ones), each round a few timed steps of each after warm-up step
   optimizer step), the model in training mode with dropout off, no cache.
 - ``prefill``: a forward under ``torch.inference_mode`` that fills a cache and keeps the last
   position's logits (``logits_to_keep=1``), as generation's first step does.
+- ``decode`` (not in the default modes): greedy generation of ``--new-tokens`` tokens per
+  sequence, one forward each, against a static cache (``transformers.StaticCache``) that SDPA
+  filled once with the sequence length's prompt; every step starts from that prompt, so both
+  implementations decode the same tokens from the same cache (the positions after the prompt
+  are written again by each step). Tokens per second count the generated tokens; the
+  difference is the largest one between the two implementations' generated token ids (0 when
+  they are the same).
 
 Reported per implementation: tokens per second (batch x sequence length over the median step
 time; CUDA events around each step), the peak memory allocated during its timed steps, and
@@ -61,7 +68,10 @@ __all__ = ["PRESETS", "Preset", "CaseResult", "ImplResult", "main", "run_case"]
 
 #: the two implementations compared, sparktune's first
 IMPLEMENTATIONS = ("sparktune", "sdpa")
-MODES = ("train", "prefill")
+MODES = ("train", "prefill", "decode")
+DEFAULT_MODES = ("train", "prefill")
+#: tokens each sequence generates in one decode step of the benchmark (``--new-tokens``)
+DEFAULT_NEW_TOKENS = 32
 DEFAULT_SEQLENS = (2048, 8192, 16384)
 
 
@@ -330,8 +340,47 @@ def _build(preset: Preset, max_positions: int, dtype: torch.dtype, device: torch
     return model.to(device)
 
 
-def _step_fn(model: Any, mode: str, ids: torch.Tensor) -> Callable[[], torch.Tensor]:
+def _rewind(cache: Any, tokens: int) -> None:
+    """Make a static cache forget its last ``tokens`` positions (newer transformers count the
+    filled positions and write there, whatever ``cache_position`` says; older ones write at
+    ``cache_position``, with nothing to rewind)."""
+    if getattr(cache, "is_croppable", False):
+        cache.crop(-tokens)
+
+
+def _decode_step(model: Any, ids: torch.Tensor, new_tokens: int) -> Callable[[], torch.Tensor]:
+    """The ``decode`` mode's step: ``new_tokens`` greedy steps against a static cache that the
+    model's current implementation prefills here once with ``ids``."""
+    import transformers
+
+    model.eval()
+    batch, prompt = ids.shape
+    cache = transformers.StaticCache(config=model.config, max_cache_len=prompt + new_tokens)
+    with torch.inference_mode():
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True,
+                    cache_position=torch.arange(prompt, device=ids.device))
+        first = out.logits[:, -1].argmax(-1, keepdim=True)
+
+    def decode() -> torch.Tensor:
+        with torch.inference_mode():
+            token, tokens = first, []
+            for i in range(new_tokens):  # a new position tensor each time, as generate makes
+                pos = torch.tensor([prompt + i], device=ids.device)
+                out = model(input_ids=token, past_key_values=cache, use_cache=True,
+                            cache_position=pos)
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+                tokens.append(token)
+            _rewind(cache, new_tokens)
+            return torch.cat(tokens, dim=1)
+
+    return decode
+
+
+def _step_fn(model: Any, mode: str, ids: torch.Tensor, new_tokens: int = DEFAULT_NEW_TOKENS
+             ) -> Callable[[], torch.Tensor]:
     """One step of ``mode``; returns what the implementations are compared on (detached)."""
+    if mode == "decode":
+        return _decode_step(model, ids, new_tokens)
     if mode == "train":
         model.train()
 
@@ -359,7 +408,7 @@ def _step_fn(model: Any, mode: str, ids: torch.Tensor) -> Callable[[], torch.Ten
 
 def _kernels(preset: Preset, seqlen: int, batch: int, dtype: str, mode: str) -> dict[str, str]:
     """What dispatch chooses for the case's attention problems, and why (GPU only)."""
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or mode == "decode":
         return {}
     from sparktune import dispatch
     from sparktune.problem import Problem
@@ -402,6 +451,7 @@ def run_case(
     warmup: int,
     timer: _AttentionTimer | None,
     clock: _Clock,
+    new_tokens: int = DEFAULT_NEW_TOKENS,
 ) -> CaseResult:
     """Both implementations on one case, in alternating rounds."""
     from sparktune import dispatch
@@ -410,7 +460,10 @@ def run_case(
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seqlen)
     ids = torch.randint(3, preset.vocab, (batch, seqlen), generator=gen).to(device)
-    step = _step_fn(model, mode, ids)
+    if mode == "decode":  # one prefilled cache for both implementations, filled by SDPA
+        model.set_attn_implementation("sdpa")
+    step = _step_fn(model, mode, ids, new_tokens)
+    step_tokens = batch * (new_tokens if mode == "decode" else seqlen)
     times: dict[str, list[float]] = {name: [] for name in IMPLEMENTATIONS}
     attention: dict[str, float] = dict.fromkeys(IMPLEMENTATIONS, 0.0)
     peaks: dict[str, float] = dict.fromkeys(IMPLEMENTATIONS, 0.0)
@@ -460,7 +513,7 @@ def run_case(
             implementation=name,
             step_ms=median,
             step_ms_all=times[name],
-            tokens_per_s=batch * seqlen / (median / 1e3),
+            tokens_per_s=step_tokens / (median / 1e3),
             peak_gib=peaks[name] if clock.cuda else None,
             attention_ms=attn,
             attention_share=attention[name] / total if timer is not None and total else None,
@@ -584,10 +637,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--mode",
         nargs="+",
-        default=list(MODES),
+        default=list(DEFAULT_MODES),
         choices=MODES,
-        help="train: forward, loss, backward; prefill: inference forward filling a cache",
+        help="train: forward, loss, backward; prefill: inference forward filling a cache; "
+             "decode: greedy generation against a static cache of the sequence length "
+             "(default: train prefill)",
     )
+    p.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS,
+                   help=f"tokens generated per sequence in a decode step (default {DEFAULT_NEW_TOKENS})")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(TORCH_DTYPES))
     p.add_argument("--layers", type=int, default=None, help="override the presets' layer count")
@@ -640,9 +697,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    if min(args.rounds, args.steps, args.warmup, args.batch) < 1 or min(args.seqlen) < 1:
-        print("sparktune.benchmark.models: --rounds, --steps, --warmup, --batch and --seqlen "
-              "must be at least 1", file=sys.stderr)  # fmt: skip
+    if min(args.rounds, args.steps, args.warmup, args.batch, args.new_tokens) < 1 or min(args.seqlen) < 1:
+        print("sparktune.benchmark.models: --rounds, --steps, --warmup, --batch, --new-tokens and "
+              "--seqlen must be at least 1", file=sys.stderr)  # fmt: skip
         return 2
     try:
         import transformers  # noqa: F401
@@ -666,7 +723,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             preset = PRESETS[name]
             if args.layers is not None:
                 preset = Preset(**{**asdict(preset), "layers": args.layers})
-            model = _build(preset, max(args.seqlen), dtype, device)
+            positions = max(args.seqlen) + (args.new_tokens if "decode" in args.mode else 0)
+            model = _build(preset, positions, dtype, device)
             for mode in args.mode:
                 for seqlen in args.seqlen:
                     print(f"# {name} {mode} {seqlen} ...", file=sys.stderr, flush=True)
@@ -682,6 +740,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         warmup=args.warmup,
                         timer=timer,
                         clock=clock,
+                        new_tokens=args.new_tokens,
                     )
                     cases.append(case)
             del model
@@ -693,7 +752,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "settings": {
                 k: getattr(args, k)
                 for k in ("preset", "seqlen", "mode", "batch", "dtype", "layers", "rounds",
-                          "steps", "warmup", "target")
+                          "steps", "warmup", "target", "new_tokens")
             } | {"attention_timing": timer is not None},
             "cases": [c.to_json() for c in cases],
         }  # fmt: skip
