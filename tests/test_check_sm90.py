@@ -73,6 +73,15 @@ def test_sm90_scheduling_switches_are_name_suffixes():
     assert ov.config_type.endswith(", 2, true, true>")
     names = {x.name for x in kernel_space.forward_space() if x.family == 90}
     assert {"fwd_sm90_f16_d64_m128n128_s2_ov1_pp0", "fwd_sm90_bf16_d128_m128n128_s2_ov1_pp1"} <= names
+    # persistent: a third suffix and template argument, with or without the other switches
+    ps = kernel_space.Fwd90Entry("bf16", 64, 128, 128, 2, persistent=True)
+    assert ps.name == "fwd_sm90_bf16_d64_m128n128_s2_ps1"
+    assert ps.config_type == "Sm90FwdConfig<cutlass::bfloat16_t, 64, 128, 128, 2, false, false, true>"
+    ps = kernel_space.Fwd90Entry("f16", 128, 128, 128, 2, True, False, True)
+    assert ps.name == "fwd_sm90_f16_d128_m128n128_s2_ov1_pp0_ps1"
+    assert ps.config_type.endswith(", 2, true, false, true>")
+    assert {"fwd_sm90_f16_d64_m128n128_s2_ps1", "fwd_sm90_bf16_d128_m128n128_s2_ov1_pp1_ps1"} <= names
+    assert not any(n.startswith("fwd_sm90_f16_d64_m192") and n.endswith("_ps1") for n in names)
 
 
 def test_sm90_backward_rules_say_why(tmp_path):
