@@ -40,13 +40,17 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from sparktune.backends.triton import warmup_jobs
-from sparktune.kernels import triton_attn as ta
-from sparktune.kernels import triton_space as space
-from sparktune.problem import DeviceInfo, Problem
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from sparktune.backends.triton import warmup_jobs  # noqa: E402
+from sparktune.kernels import triton_attn as ta  # noqa: E402
+from sparktune.kernels import triton_space as space  # noqa: E402
+from sparktune.problem import DeviceInfo, Problem  # noqa: E402
+from tests._features_baseline import feature_attention  # noqa: E402
 
 FACTOR = 2.0
 FLOOR = 1e-5
@@ -129,56 +133,10 @@ CASES = [
 # ------------------------------------------------------------------------------------------
 
 
-def _dense_attention(q, k, v, *, scale, causal, window, softcap, slopes, keep, dropout_p):
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, 1)
-    v = v.repeat_interleave(group, 1)
-    nq, nk = q.shape[2], k.shape[2]
-    s = (q @ k.transpose(-1, -2)) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    i = torch.arange(nq, device=q.device)[:, None]
-    j = torch.arange(nk, device=q.device)[None, :]
-    diag = i + nk - nq
-    if slopes is not None:
-        s = s - (slopes[:, :, None, None] * (diag - j).abs()).to(s.dtype)
-    left, right = window
-    if causal:
-        right = 0
-    visible = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
-    if left >= 0:
-        visible &= j >= diag - left
-    if right >= 0:
-        visible &= j <= diag + right
-    s = s.masked_fill(~visible, -math.inf)
-    work = s if s.dtype == torch.float64 else s.float()
-    lse = torch.logsumexp(work, -1)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    p = torch.exp(work - safe[..., None]).to(q.dtype)
-    if keep is not None:
-        p = p * keep.to(p.dtype) / (1.0 - dropout_p)
-    return p @ v, lse
-
-
 def _attention(q, k, v, case: Case, scale, slopes, keep, cu_q, cu_k):
-    kw = dict(scale=scale, causal=case.causal, window=case.window, softcap=case.softcap,
-              dropout_p=case.dropout_p)
-    if slopes is not None:
-        if slopes.dim() == 1:
-            slopes = slopes[None].expand(case.batch, -1)
-        slopes = slopes.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
-    if not case.varlen:
-        return _dense_attention(q, k, v, slopes=slopes, keep=keep, **kw)
-    outs, lses = [], []
-    for b in range(case.batch):
-        rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        seq = [t[r].transpose(0, 1)[None] for t, r in ((q, rq), (k, rk), (v, rk))]
-        kb = None if keep is None else keep[:, rq, : rk.stop - rk.start][None]
-        o, lse = _dense_attention(*seq, slopes=None if slopes is None else slopes[b:b + 1],
-                                  keep=kb, **kw)
-        outs.append(o[0].transpose(0, 1))
-        lses.append(lse[0])
-    return torch.cat(outs), torch.cat(lses, 1)
+    return feature_attention(q, k, v, scale=scale, causal=case.causal, window=case.window,
+                             softcap=case.softcap, slopes=slopes, keep=keep,
+                             dropout_p=case.dropout_p, cu_q=cu_q, cu_k=cu_k)
 
 
 def _max_err(a, ref, where=None) -> float:
