@@ -1,5 +1,5 @@
-// What every configuration's host side shares: the dynamic shared-memory opt-in and the
-// registry entry built from the configuration's compile-time rules.
+// What every configuration's host side shares: the dynamic shared-memory opt-in, the SM count
+// and the registry entry built from the configuration's compile-time rules.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,6 +20,22 @@ cudaError_t ensure_smem_limit(int bytes) {
   if (cacheable && configured[device]) return cudaSuccess;
   err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err == cudaSuccess && cacheable) configured[device] = true;
+  return err;
+}
+
+// The SM count of the current device, asked once per device (persistent grids size by it).
+inline cudaError_t sm_count(int& out) {
+  static int cached[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const bool cacheable = device >= 0 && device < kMaxDevices;
+  if (cacheable && cached[device] > 0) {
+    out = cached[device];
+    return cudaSuccess;
+  }
+  err = cudaDeviceGetAttribute(&out, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess && cacheable) cached[device] = out;
   return err;
 }
 

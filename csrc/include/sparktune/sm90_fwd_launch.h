@@ -44,24 +44,6 @@ auto tma_gmem_view(const void* ptr, int seqlen, int heads, int batch, int64_t ro
                                  make_stride(row, _1{}, hs, bs)));
 }
 
-// The SM count of the current device, asked once per device.
-inline cudaError_t sm_count(int& out) {
-  constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices] = {};
-  int dev = 0;
-  if (cudaError_t err = cudaGetDevice(&dev); err != cudaSuccess) return err;
-  if (dev >= 0 && dev < kMaxDevices && cached[dev] > 0) {
-    out = cached[dev];
-    return cudaSuccess;
-  }
-  if (cudaError_t err = cudaDeviceGetAttribute(&out, cudaDevAttrMultiProcessorCount, dev);
-      err != cudaSuccess) {
-    return err;
-  }
-  if (dev >= 0 && dev < kMaxDevices) cached[dev] = out;
-  return cudaSuccess;
-}
-
 template <class Traits>
 cudaError_t launch_sm90_fwd(FwdParams const& p, cudaStream_t stream) {
   using T = typename Traits::Element;
