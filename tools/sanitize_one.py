@@ -32,8 +32,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     args = ap.parse_args(argv)
     spark = SparkBackend()
-    info = {k["name"]: k for k in spark._catalogue().values()}.get(args.config)
-    if info is None:
+    try:
+        info = spark.kernel_info(args.config)
+    except KeyError:
         print(f"sanitize_one: {args.config} is not compiled", file=sys.stderr)
         return 2
     dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[info["dtype"]]
