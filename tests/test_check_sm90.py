@@ -172,9 +172,10 @@ def test_spark_bwd_sm90_default_and_deterministic(monkeypatch):
     b = _spark_with(_bwd_catalogue(), monkeypatch)
     hopper, ampere = DeviceInfo("h200", (9, 0), 132), DeviceInfo("a100", (8, 0), 108)
     p = Problem("bwd", "float16", 1, 2, 2, 4096, 4096, 128, True)
-    # while the Hopper backward waits for its device check (kernel_space.UNVERIFIED) it is no
+    # while a Hopper backward waits for its device check (kernel_space.UNVERIFIED) it is no
     # candidate: the sm80 default stays on sm_90, a deterministic problem has no default, and
     # the kernel runs only when forced by name
+    monkeypatch.setattr(kernel_space, "UNVERIFIED", ("bwd_sm90_*",))
     assert kernel_space.is_unverified("bwd_sm90_f16_d128_m64n128_s2")
     assert b.default_config(p, hopper) == "bwd_sm80_f16_d128_m64n128_w2x4_acc32"
     det = p.replace(deterministic=True)

@@ -50,8 +50,10 @@ def test_unverified_kernels_are_never_built_by_default_nor_chosen(monkeypatch):
     from sparktune.backends.spark import SparkBackend
     from sparktune.problem import DeviceInfo, Problem
 
+    # the mechanism, on a family that could wait for its check (none does today)
+    monkeypatch.setattr(ks, "UNVERIFIED", ("bwd_sm90_*",))
     unverified = [e for e in SPACE if ks.is_unverified(e.name)]
-    assert unverified, "nothing is unverified: drop this test with the UNVERIFIED list"
+    assert unverified
     assert not set(_names(unverified)) & set(_names(ks.build_selection(SPACE, "", ROOT / "tuning_db")))
     b = SparkBackend()
     e = next(x for x in unverified if x.dtype == "f16")

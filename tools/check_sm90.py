@@ -112,7 +112,7 @@ def register_pool_reasons(ptx: str, registers: int | None, threads: int) -> list
 LAYOUT_CHECK_CPP = r"""#include <cstdio>
 #include <vector>
 #include "sparktune/sm90_bwd_traits.h"
-#include "sparktune/sm90_fwd_kernel.h"  // sm90::acc_as_operand_a
+#include "sparktune/sm90_bwd_kernel.h"  // sm90::acc_as_operand_a, sm90::dq_tile_offset
 using namespace cute;
 template <class Cfg> int verify(const char* name) {
   using Tr = sparktune::Sm90BwdTraits<Cfg>;
@@ -180,6 +180,23 @@ template <class Cfg> int verify(const char* name) {
     static_assert(std::is_same_v<decltype(typename Tr::SmemLayoutK{}.layout_a()), decltype(typename Tr::SmemLayoutKt{}.layout_a())>);
     static_assert(std::is_same_v<decltype(typename Tr::SmemLayoutQ{}.layout_a()), decltype(typename Tr::SmemLayoutQt{}.layout_a())>);
     static_assert(std::is_same_v<decltype(typename Tr::SmemLayoutDs{}.layout_a()), decltype(typename Tr::SmemLayoutDst{}.layout_a())>);
+  }
+  // (5) dQ's shared fp32 tile: where each consumer thread stores its accumulator elements ==
+  //     the tile's layout at the coordinates CuTe gives them (what the TMA reduce-add reads)
+  {
+    auto Dq = typename Tr::SmemLayoutDq{};
+    for (int tid = 0; tid < Cfg::kConsumerThreads; ++tid) {
+      auto c = mma_dq.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<Int<BM>, Int<D>>{}));
+      static_assert(decltype(size<2>(c))::value == 1, "one dQ tile along head_dim per warpgroup");
+      const sparktune::sm90::DqStore<BM, Cfg::kDqCols> store(tid);
+      for (int mt = 0; mt < size<1>(c); ++mt) for (int v = 0; v < size<0>(c); ++v) {
+        ++checked;
+        // the swizzle acts on byte addresses (the tile starts on a 1024-byte boundary)
+        const int want = Dq.layout_a()(4 * Dq.layout_b()(get<0>(c(v, mt, 0)), get<1>(c(v, mt, 0)))) / 4;
+        const int got = store.offset(v, mt);
+        if (want != got && bad++ < 5) printf("dQ tile tid %d v%d m%d: %d, layout %d\n", tid, v, mt, got, want);
+      }
+    }
   }
   printf("%s: %d checked, %d mismatches\n", name, checked, bad);
   return bad;

@@ -67,7 +67,7 @@ class SparkBackend(Backend):
     name = "spark"
     #: docs/FEATURES.md: only "deterministic" (a backward problem's: the backward of family 90
     #: adds dQ in a fixed order when asked; the other families' backward kernels are refused).
-    #: The family 90 backward is UNVERIFIED (kernel_space.py): it runs only when forced by name.
+    #: Configurations listed in kernel_space.UNVERIFIED run only when forced by name.
     features = frozenset({"deterministic"})
 
     # The heuristic defaults (kernel_space.py says what each was measured on): per (family,

@@ -329,10 +329,10 @@ BWD_DEFAULTS = {
 SM90_DEFAULTS = {
     ("fwd", 64): "m192n128_s2_ov1_pp0",
     ("fwd", 128): "m128n128_s2_ov1_pp0",
-    # Backward (UNVERIFIED: no default until its device check passes; the check times this
-    # one in deterministic mode): not measured yet (tools/gpu_check_sm90_bwd.py will say): two consumer
-    # warpgroups of 64 keys, query tiles of 64 (the tiles the register and shared-memory rules
-    # leave for head dim 128; for head dim 64 the one-warpgroup m64n64 is the other choice).
+    # Backward: two consumer warpgroups of 64 keys, query tiles of 64 (the tiles the register
+    # and shared-memory rules leave for head dim 128). Head dim 128: about 1.25x the family 80
+    # default's backward on an H200 (bwd-only TFLOP/s at 16k tokens, BENCHMARKS.md); head dim
+    # 64: see there (the tuner decides per shape). The only backward with a deterministic mode.
     ("bwd", 64): "m64n128_s2",
     ("bwd", 128): "m64n128_s2",
 }
@@ -340,9 +340,10 @@ SM90_DEFAULTS = {
 
 #: Declared, compiled (CI compiles one) and checked by ptxas, but not yet passed on a GPU:
 #: the default build leaves them out, and dispatch and the tuner never choose them; forced by
-#: name (``backend="spark", config=...``) they run, which is how their device check
-#: (tools/gpu_check_sm90_bwd.py) tests them. Shell patterns of names.
-UNVERIFIED = ("bwd_sm90_*",)
+#: name (``backend="spark", config=...``) they run, which is how their device check tests them.
+#: Shell patterns of names. Empty: the Hopper backward passed tools/gpu_check_sm90_bwd.py on an
+#: H200 (every compiled configuration, default and deterministic modes).
+UNVERIFIED: tuple[str, ...] = ()
 
 
 def is_unverified(name: str) -> bool:

@@ -15,9 +15,13 @@
 //     dV += P^T dO,  dK += dS^T Q                       (P^T, dS^T as register operands)
 //     dQ_part = dS K                                    (dS^T through shared memory)
 // dK and dV stay in registers for the whole walk (the GQA group's heads included: summed on
-// chip) and are written once. dQ parts are added into the fp32 workspace with atomics; with a
-// semaphore workspace (deterministic mode) the key blocks of a query row block add in
-// ascending order. dS^T has two shared buffers so that one named barrier per step suffices.
+// chip) and are written once. Each step's dQ part goes to a shared fp32 tile, which the
+// producer's third warp adds into the fp32 workspace with one TMA reduce-add while the
+// consumers go on; with a semaphore workspace (deterministic mode) it adds a row block's tile
+// only when the key blocks before this one in a fixed order have added theirs (ascending key
+// blocks; causal: descending, with the grid launched from the last key block, so that no key
+// block waits on one still walking rows it reaches later). dS^T has two shared buffers so that
+// one named barrier per step suffices.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -38,19 +42,20 @@ using namespace cute;
 namespace sm90 {
 
 // Shared memory of one backward block, from a 1024-byte aligned base: K, V, the Q slots, the
-// dO slots, the two dS buffers (each a multiple of 1024 bytes), then the statistics and the
-// barriers.
+// dO slots, the two dS buffers, dQ's fp32 tile (each a multiple of 1024 bytes), then the
+// statistics and the barriers.
 template <class Traits>
 struct BwdSharedStorage {
   using T = typename Traits::Element;
   static_assert(Traits::kSmemK % 1024 == 0 && Traits::kSmemQStage % 1024 == 0 &&
-                    Traits::kSmemDsBuf % 1024 == 0,
+                    Traits::kSmemDsBuf % 1024 == 0 && Traits::kSmemDq % 1024 == 0,
                 "every tile must start on a 1024-byte boundary");
   static constexpr int kOffV = Traits::kSmemK;
   static constexpr int kOffQ = kOffV + Traits::kSmemV;
   static constexpr int kOffDo = kOffQ + Traits::kSmemQ;
   static constexpr int kOffDs = kOffDo + Traits::kSmemDo;
-  static constexpr int kOffStats = kOffDs + Traits::kSmemDs;
+  static constexpr int kOffDq = kOffDs + Traits::kSmemDs;
+  static constexpr int kOffStats = kOffDq + Traits::kSmemDq;
   static constexpr int kOffBarriers = kOffStats + Traits::kSmemStats;
   char* base;
   CUTE_DEVICE T* k() const { return reinterpret_cast<T*>(base); }
@@ -58,6 +63,7 @@ struct BwdSharedStorage {
   CUTE_DEVICE T* q() const { return reinterpret_cast<T*>(base + kOffQ); }
   CUTE_DEVICE T* dout() const { return reinterpret_cast<T*>(base + kOffDo); }
   CUTE_DEVICE T* ds() const { return reinterpret_cast<T*>(base + kOffDs); }
+  CUTE_DEVICE float* dq() const { return reinterpret_cast<float*>(base + kOffDq); }
   // (stages, block_m) each: log-sum-exp in base 2, then D
   CUTE_DEVICE float* lse() const { return reinterpret_cast<float*>(base + kOffStats); }
   CUTE_DEVICE float* dsum() const { return lse() + Traits::kStages * Traits::kBlockM; }
@@ -82,6 +88,38 @@ CUTE_DEVICE void store_release(int* ptr, int v) {
   asm volatile("st.global.release.gpu.b32 [%0], %1;" : : "l"(ptr), "r"(v) : "memory");
 }
 
+// Where a consumer thread's dQ accumulator elements go in the shared fp32 tile
+// (Traits::SmemLayoutDq: column blocks of 32 floats, 128-byte rows swizzled in 16-byte chunks
+// by row % 8), worked out from the wgmma accumulator layout so that every store is one of four
+// per-thread bases plus a constant (CuTe's swizzled view of the same tile, or (row, col)
+// arithmetic per element, made ptxas spill). Element v = e + 2 h + 4 j of m-tile mt of thread
+// (warpgroup g, warp w, lane l) is row 64 mt + 16 w + l / 4 + 8 h, column
+// g * kDqCols + 8 j + 2 (l % 4) + e. tools/check_sm90.py --layouts compares every offset with
+// the layout at the coordinates CuTe gives the accumulator.
+template <int kBlockM, int kDqCols>
+struct DqStore {
+  static_assert(kDqCols % 32 == 0, "dQ's per-warpgroup columns are whole 32-float blocks");
+  int chunk[4];  // per thread: the offset of its elements in 16-byte chunk group a = j % 4
+  CUTE_HOST_DEVICE explicit DqStore(int ctid) {
+    const int g = ctid / 128, w = ctid % 128 / 32, l = ctid % 32;
+    const int x = l / 4, q = l % 4 / 2;
+    const int base = g * (kDqCols / 32) * (kBlockM * 32) + (16 * w + x) * 32 + 2 * (l % 2);
+    CUTE_UNROLL
+    for (int a = 0; a < 4; ++a) chunk[a] = base + ((2 * a + q) ^ x) * 4;
+  }
+  CUTE_HOST_DEVICE int offset(int v, int mt) const {
+    const int e = v % 2, h = v / 2 % 2, j = v / 4;
+    return chunk[j % 4] + (j / 4) * (kBlockM * 32) + mt * 64 * 32 + h * 8 * 32 + e;
+  }
+};
+
+// Wait until this thread's committed bulk (TMA) stores and reductions are complete, not only
+// read from shared memory, then order them before this thread's later generic accesses.
+CUTE_DEVICE void bulk_wait_complete() {
+  asm volatile("cp.async.bulk.wait_group 0;" : : : "memory");
+  asm volatile("fence.proxy.async.global;" : : : "memory");
+}
+
 // The query row blocks a key block sees: [m_begin, m_blocks). Causal (bottom-right): key j is
 // seen by rows i >= j - (seqlen_k - seqlen_q).
 struct BwdWalk {
@@ -95,6 +133,20 @@ struct BwdWalk {
     }
   }
   CUTE_DEVICE bool empty() const { return m_begin >= m_blocks; }
+  // Deterministic mode: the place of key block n_block among the key blocks that add to row
+  // block m. Non-causal: every key block, ascending. Causal: the key blocks 0 .. n_last(m) that
+  // see the row block, descending (n_last(m) first: it reaches row block m on its first step).
+  // Either way a key block waits only for key blocks of the same (kv head, batch) with a lower
+  // blockIdx.x (the causal grid is reversed), which the hardware dispatches first: they are
+  // resident or finished even when the grid is larger than what fits at once, and the first
+  // in the order never waits.
+  CUTE_DEVICE static int turn(BwdParams const& p, int n_block, int m, int block_m, int block_n) {
+    if (!p.causal) return n_block;
+    const int n_blocks = (p.seqlen_k + block_n - 1) / block_n;
+    const int last_row = min((m + 1) * block_m, p.seqlen_q) - 1;
+    const int n_last = min(n_blocks - 1, (last_row + p.seqlen_k - p.seqlen_q) / block_n);
+    return n_last - n_block;
+  }
   // steps of the whole walk: every query head of the group times the row blocks
   CUTE_DEVICE int steps(int group) const { return empty() ? 0 : group * (m_blocks - m_begin); }
 };
@@ -134,7 +186,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr float kInf = INFINITY;
   // named barriers of the consumer warpgroups (ids after the reserved ones)
   constexpr int kBarDsReady = 1;
-  constexpr int kBarDqOrder = 2;
+  // the dQ tile between the consumers and the producer's dQ warp (consumers + one warp)
+  constexpr int kBarDqFull = 2;
+  constexpr int kBarDqEmpty = 3;
+  constexpr int kDqHandoff = kConsumerThreads + 32;
   static_assert(cosize_v<typename Traits::SmemLayoutK> * sizeof(T) == Traits::kSmemK &&
                     cosize_v<typename Traits::SmemLayoutV> * sizeof(T) == Traits::kSmemV &&
                     cosize_v<typename Traits::SmemLayoutQ> * sizeof(T) == Traits::kSmemQ &&
@@ -147,7 +202,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       (reinterpret_cast<uintptr_t>(smem_raw) + Traits::kSmemAlign - 1) &
       ~uintptr_t(Traits::kSmemAlign - 1))};
 
-  const int n_block = blockIdx.x;
+  const bool deterministic = p.dq_semaphore != nullptr;
+  // deterministic causal: the grid runs from the last key block (see BwdWalk::turn)
+  const int n_block = deterministic && p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int kv_head = blockIdx.y;
   const int batch = blockIdx.z;
   const int key0 = n_block * kBlockN;
@@ -182,6 +239,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor sDot = make_tensor(make_smem_ptr(st.dout()), typename Traits::SmemLayoutQt{});
   Tensor sDs = make_tensor(make_smem_ptr(st.ds()), typename Traits::SmemLayoutDs{});
   Tensor sDst = make_tensor(make_smem_ptr(st.ds()), typename Traits::SmemLayoutDst{});
+  Tensor sDq = make_tensor(make_smem_ptr(st.dq()), typename Traits::SmemLayoutDq{});
 
   if (warpgroup == 0) {
     // ================================ producer ================================
@@ -243,6 +301,41 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
         stats_full[at.stage].arrive();  // release: the stores above are visible to the waiters
       }
+    } else if (warp == 2) {
+      // dQ: each step's tile, once the consumers have written it, added to the workspace
+      Tensor mDq = args.tma_dq.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
+      auto thr_tma_dq = args.tma_dq.get_slice(_0{});
+      Tensor tDqsDq = thr_tma_dq.partition_S(sDq);
+      const int steps = walk.steps(p.group);
+      for (int t = 0; t < steps; ++t) {
+        const sm90::BwdStep<kStages> at(walk, t);
+        const int head = kv_head * p.group + at.g;
+        Tensor gDq = local_tile(mDq(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                                make_coord(at.m, _0{}));
+        Tensor tDqgDq = thr_tma_dq.partition_D(gDq);
+        cutlass::arch::NamedBarrier::sync(kDqHandoff, kBarDqFull);
+        if (lane == 0) {
+          int* sem = nullptr;
+          int turn = 0;
+          if (deterministic) {
+            sem = p.dq_semaphore + (int64_t(batch) * p.heads_q + head) * walk.m_blocks + at.m;
+            turn = sm90::BwdWalk::turn(p, n_block, at.m, kBlockM, kBlockN);
+            while (sm90::load_acquire(sem) != turn) __nanosleep(32);
+            asm volatile("fence.proxy.async.global;" : : : "memory");
+          }
+          cute::copy(args.tma_dq, tDqsDq, tDqgDq);
+          tma_store_arrive();
+          if (deterministic) {
+            sm90::bulk_wait_complete();  // the sums are in global memory, then the next turn
+            sm90::store_release(sem, turn + 1);
+          } else {
+            tma_store_wait<0>();  // the tile is read: the consumers may overwrite it
+          }
+        }
+        __syncwarp();
+        if (t + 1 < steps) cutlass::arch::NamedBarrier::arrive(kDqHandoff, kBarDqEmpty);
+      }
+      if (lane == 0) sm90::bulk_wait_complete();
     }
     return;
   }
@@ -276,8 +369,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // (key, query) of every S^T element this thread holds, and (row, col) of its dQ elements
   Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
   Tensor c_rc = make_tensor(tScS.data(), sm90::rowcol_view(tScS.layout()));
-  Tensor tQcQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  const bool deterministic = p.dq_semaphore != nullptr;
+  const sm90::DqStore<kBlockM, Traits::kDqCols> dq_store(ctid);
 
   if (!walk.empty()) {
     kv_full.wait(0);
@@ -285,7 +377,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       {
         const sm90::BwdStep<kStages> at(walk, t);
         const int stage = at.stage, phase = at.phase, buf = at.buf, m = at.m;
-        const int64_t bh = int64_t(batch) * p.heads_q + kv_head * p.group + at.g;
         const int row0 = m * kBlockM;
         // S^T = K Q^T and dP^T = V dO^T, back to back
         Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
@@ -351,28 +442,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_dq);
 
-        float* dq = p.dq_accum + (bh * p.seqlen_q + row0) * kHeadDim;
-        int* sem = deterministic ? p.dq_semaphore + bh * walk.m_blocks + m : nullptr;
-        // Deterministic: wait until key blocks 0 .. n_block - 1 have added theirs. These are
-        // exactly the key blocks that visit this row block (m_begin does not decrease with
-        // n_block), and none of them waits for this one: each waits only for lower key blocks
-        // of the same (kv head, batch), i.e. lower linear block indices (x is the fastest grid
-        // dimension), which the hardware dispatches first, so they are resident or finished
-        // even when the grid is larger than what fits at once; key block 0 never waits.
-        if (deterministic) {
-          if (ctid == 0) {
-            while (sm90::load_acquire(sem) != n_block) __nanosleep(64);
-          }
-          cutlass::arch::NamedBarrier::sync(kConsumerThreads, kBarDqOrder);
+        // the tile is free again once the dQ warp's TMA has read the previous step's
+        if (t > 0) cutlass::arch::NamedBarrier::sync(kDqHandoff, kBarDqEmpty);
+        CUTE_UNROLL
+        for (int mt = 0; mt < size<1>(acc_dq); ++mt) {
+          CUTE_UNROLL
+          for (int v = 0; v < size<0>(acc_dq); ++v) st.dq()[dq_store.offset(v, mt)] = acc_dq(v, mt, 0);
         }
-        add_dq<kHeadDim>(dq, acc_dq, tQcQ, p.seqlen_q - row0);
-        if (deterministic) {
-          // every thread's atomics are performed at GPU scope before the barrier; the release
-          // store after it orders them (cumulatively) before the next key block's acquire
-          __threadfence();
-          cutlass::arch::NamedBarrier::sync(kConsumerThreads, kBarDqOrder);
-          if (ctid == 0) sm90::store_release(sem, n_block + 1);
-        }
+        cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> the TMA's reads
+        cutlass::arch::NamedBarrier::arrive(kDqHandoff, kBarDqFull);
       }
     }
   }

@@ -1,4 +1,5 @@
-// Host side of one Hopper backward configuration: the TMA descriptors, the three launches
+// Host side of one Hopper backward configuration: the TMA descriptors (loads of Q, dO, K, V; the
+// reduce-add into the fp32 dQ workspace), the three launches
 // (preprocess, main kernel, dQ conversion) and the registration.
 #pragma once
 
@@ -49,13 +50,21 @@ cudaError_t launch_sm90_bwd(BwdParams const& p, cudaStream_t stream) {
                     view(p.v, p.seqlen_k, p.heads_kv, p.batch, p.v_row_stride, p.v_head_stride,
                          p.v_batch_stride),
                     typename Traits::SmemLayoutV{}, TileKV{}, _1{}),
+      make_tma_copy(SM90_TMA_REDUCE_ADD{},
+                    make_tensor(make_gmem_ptr(p.dq_accum),
+                                make_layout(make_shape(int32_t(p.seqlen_q), int32_t(Traits::kHeadDim),
+                                                       int32_t(p.heads_q), int32_t(p.batch)),
+                                            make_stride(int64_t(Traits::kHeadDim), _1{},
+                                                        int64_t(p.seqlen_q) * Traits::kHeadDim,
+                                                        int64_t(p.heads_q) * p.seqlen_q * Traits::kHeadDim))),
+                    typename Traits::SmemLayoutDq{}, TileQ{}, _1{}),
   };
   dim3 row_grid(ceil_div(p.seqlen_q, kRowKernelRows), p.heads_q, p.batch);
   bwd_preprocess_kernel<T><<<row_grid, kRowKernelThreads, 0, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  // key blocks in ascending order along x: in deterministic mode a block waits only for
-  // blocks of lower index (launched before it)
+  // key blocks along x (deterministic causal: from the last one): in deterministic mode a
+  // block waits only for blocks of lower index (launched before it)
   dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch);
   kernel<<<grid, Traits::kThreads, kSmem, stream>>>(args);
   err = cudaGetLastError();

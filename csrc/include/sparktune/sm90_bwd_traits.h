@@ -1,6 +1,7 @@
 // The types of one Hopper backward configuration: wgmma tiled MMAs of the five products, GMMA
 // shared-memory layouts (128-byte swizzle; K's 64-byte where dQ reads it in 32-column slices)
-// with their transposed views, the stmatrix copy of dS^T, and the TMA copy types.
+// with their transposed views, the stmatrix copy of dS^T, dQ's fp32 staging tile, and the TMA
+// copy types (loads of Q, dO, K, V; the reduce-add of dQ).
 // Only instantiated for a valid configuration (sm90_bwd_config.h).
 #pragma once
 
@@ -82,6 +83,12 @@ struct Sm90BwdTraits : Config {
   // columns (queries) are the contiguous dimension of the layout, so the non-transposing form
   using SmemCopyAtomDs = Copy_Atom<SM90_U32x4_STSM_N, Element>;
 
+  // dQ of one query tile in fp32 (block_m x head_dim), written by the consumer warpgroups from
+  // their accumulators and added to the workspace by one TMA reduce-add: 128-byte swizzled rows
+  // of 32 floats (the TMA box), so that the accumulator's stores spread over the banks
+  using SmemLayoutDq = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{},
+                                              Shape<BlockM, HeadDim>{}));
+
   // ---- TMA: 4-D views (row, head_dim, head, batch) with the caller's strides ----
   using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
   using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
@@ -94,6 +101,13 @@ struct Sm90BwdTraits : Config {
                                       Shape<BlockN, HeadDim>{}, _1{}));
   using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutV{},
                                       Shape<BlockN, HeadDim>{}, _1{}));
+
+  // the fp32 dQ workspace (row, head_dim, head, batch), rows of head_dim floats; TMA leaves
+  // out the rows past seqlen_q
+  using GmemTensorDq = decltype(make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)),
+                                            GmemLayout{}));
+  using TmaDq = decltype(make_tma_copy(SM90_TMA_REDUCE_ADD{}, GmemTensorDq{}, SmemLayoutDq{},
+                                       Shape<BlockM, HeadDim>{}, _1{}));
 
   static constexpr int kTmaBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kTmaBytesKV = kBlockN * kHeadDim * int(sizeof(Element));
@@ -108,6 +122,7 @@ struct Sm90BwdArgs {
   typename Traits::TmaQ tma_do;
   typename Traits::TmaK tma_k;
   typename Traits::TmaV tma_v;
+  typename Traits::TmaDq tma_dq;
 };
 
 }  // namespace sparktune
