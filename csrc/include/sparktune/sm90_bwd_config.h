@@ -4,13 +4,13 @@
 //
 // The family: one thread block per (key block of block_n keys, kv head, batch). A producer
 // warpgroup loads K and V once, then Q and dO tiles of block_m query rows through a ring of
-// `stages` slots (TMA), and the log-sum-exp and D rows of the same tile (plain loads by its second
-// warp). block_n / 64 consumer warpgroups own 64 keys each and compute, per query tile, the
+// `stages` slots (TMA). block_n / 64 consumer warpgroups own 64 keys each and compute, per
+// query tile (its log-sum-exp and D rows loaded by the consumers a step ahead), the
 // transposed products S^T = K Q^T and dP^T = V dO^T (so that the 64 x block_m accumulators are
 // indexed by key and P^T, dS^T feed dV += P^T dO and dK += dS^T Q as register operands), then
 // dQ = dS K with dS^T going through shared memory; each warpgroup computes head_dim / W columns
-// of dQ into a shared fp32 tile, which a third producer warp adds to the fp32 workspace with
-// one TMA reduce-add (in deterministic mode after the lower key blocks have added theirs).
+// of dQ into a shared fp32 tile, which a producer warp adds to the fp32 workspace with one TMA
+// reduce-add (in deterministic mode in a fixed key-block order).
 #pragma once
 
 #include <cutlass/numeric_types.h>
@@ -68,8 +68,8 @@ struct Sm90BwdConfig {
   static constexpr int kRegsSdP = 2 * 64 * kBlockM / 128;
   static constexpr int kRegEstimate = kRegsDkv + kRegsSdP + kRegsSdP / 2 + kRegOverhead;
 
-  // ---- shared memory: K, V, the Q and dO slots, two dS^T buffers, dQ's fp32 tile, the LSE and
-  // D slots, barriers
+  // ---- shared memory: K, V, the Q and dO slots, two dS^T buffers, dQ's fp32 tile, two buffers
+  // of statistics (LSE in base 2 and D, fp32), barriers
   static constexpr int kSmemAlign = 1024;
   static constexpr int kSmemK = kBlockN * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemV = kSmemK;
@@ -79,9 +79,10 @@ struct Sm90BwdConfig {
   static constexpr int kSmemDsBuf = kBlockM * kBlockN * int(sizeof(Element));
   static constexpr int kSmemDs = 2 * kSmemDsBuf;
   static constexpr int kSmemDq = kBlockM * kHeadDim * 4;  // dQ of one tile in fp32
-  static constexpr int kSmemStats = 2 * kStages * kBlockM * 4;  // LSE (base 2) and D, fp32
-  // barriers: K/V full, and per stage Q/dO full, statistics full, slot empty
-  static constexpr int kSmemBarriers = (1 + 3 * kStages) * 8;
+  static constexpr int kSmemStats = 2 * 2 * kBlockM * 4;
+  // mbarriers: K/V full, and per stage Q/dO full and slot empty (dQ's tile is handed over with
+  // named barriers)
+  static constexpr int kSmemBarriers = (1 + 2 * kStages) * 8;
   static constexpr int kSmemTail = (kSmemStats + kSmemBarriers + 127) / 128 * 128;
   static constexpr int kSmemBytes =
       kSmemAlign + kSmemK + kSmemV + kSmemQ + kSmemDo + kSmemDs + kSmemDq + kSmemTail;

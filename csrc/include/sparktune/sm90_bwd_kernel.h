@@ -3,14 +3,14 @@
 // Warpgroup 0 is the producer: it gives its registers away (setmaxnreg); its first thread
 // loads K and V once and then, for every query head of the kv head's group and every query
 // row block that sees the key block, the Q and dO tiles into a ring of `stages` slots (TMA,
-// one "full" transaction barrier per slot); its second warp loads the same rows' log-sum-exp
-// (as base 2, +inf for rows past seqlen_q or with no visible key, so that P is 0 there) and
-// D = rowsum(dO * O) into the slot's statistics (a second "full" barrier, one arrival per
-// lane). A slot is free again when every consumer warp has arrived on its "empty" barrier.
+// one "full" transaction barrier per slot). A slot is free again when every consumer warp has
+// arrived on its "empty" barrier. Its third warp adds the consumers' dQ tiles to the workspace.
 //
 // Warpgroups 1.. are consumers of 64 keys each. Per query tile, with wgmma:
 //     S^T = K Q^T,  dP^T = V dO^T                      (shared x shared, back to back)
 //     P^T = exp2(S^T * scale_log2 - lse_log2)          (masked: key tail, causal diagonal)
+//                   (the consumers load the next step's log-sum-exp and D rows from global
+//                    memory into a shared double buffer during this step)
 //     dS^T = P^T * (dP^T - D)
 //     dV += P^T dO,  dK += dS^T Q                       (P^T, dS^T as register operands)
 //     dQ_part = dS K                                    (dS^T through shared memory)
@@ -42,8 +42,8 @@ using namespace cute;
 namespace sm90 {
 
 // Shared memory of one backward block, from a 1024-byte aligned base: K, V, the Q slots, the
-// dO slots, the two dS buffers, dQ's fp32 tile (each a multiple of 1024 bytes), then the
-// statistics and the barriers.
+// dO slots, the two dS buffers, dQ's fp32 tile (each a multiple of 1024 bytes), then two
+// buffers of statistics and the barriers.
 template <class Traits>
 struct BwdSharedStorage {
   using T = typename Traits::Element;
@@ -64,16 +64,25 @@ struct BwdSharedStorage {
   CUTE_DEVICE T* dout() const { return reinterpret_cast<T*>(base + kOffDo); }
   CUTE_DEVICE T* ds() const { return reinterpret_cast<T*>(base + kOffDs); }
   CUTE_DEVICE float* dq() const { return reinterpret_cast<float*>(base + kOffDq); }
-  // (stages, block_m) each: log-sum-exp in base 2, then D
-  CUTE_DEVICE float* lse() const { return reinterpret_cast<float*>(base + kOffStats); }
-  CUTE_DEVICE float* dsum() const { return lse() + Traits::kStages * Traits::kBlockM; }
-  // barrier order: K/V full, then per stage Q/dO full, statistics full, slot empty
+  // buffer b (0, 1): block_m log-sum-exps in base 2, then block_m D values
+  CUTE_DEVICE float* stats(int b) const {
+    return reinterpret_cast<float*>(base + kOffStats) + b * 2 * Traits::kBlockM;
+  }
+  // barrier order: K/V full, then per stage Q/dO full, slot empty
   CUTE_DEVICE uint64_t* barriers() const { return reinterpret_cast<uint64_t*>(base + kOffBarriers); }
   CUTE_DEVICE uint64_t* kv_full() const { return barriers(); }
   CUTE_DEVICE uint64_t* qdo_full() const { return barriers() + 1; }
-  CUTE_DEVICE uint64_t* stats_full() const { return barriers() + 1 + Traits::kStages; }
-  CUTE_DEVICE uint64_t* empty() const { return barriers() + 1 + 2 * Traits::kStages; }
+  CUTE_DEVICE uint64_t* empty() const { return barriers() + 1 + Traits::kStages; }
 };
+
+// Named barriers (hardware ids 1..15; 0 is __syncthreads) with the compiler told that memory
+// is ordered around them: shared-memory accesses stay on their side of an arrive or a sync.
+CUTE_DEVICE void bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" : : "r"(id), "r"(threads) : "memory");
+}
+CUTE_DEVICE void bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" : : "r"(id), "r"(threads) : "memory");
+}
 
 CUTE_DEVICE int load_acquire(const int* ptr) {
   int v;
@@ -184,12 +193,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kConsumerThreads = Traits::kConsumerThreads;
   constexpr int kConsumerWarps = kConsumerThreads / 32;
   constexpr float kInf = INFINITY;
-  // named barriers of the consumer warpgroups (ids after the reserved ones)
+  // named barriers (sm90::bar_sync / bar_arrive): the consumer warpgroups' dS^T; between the
+  // consumers and the producer's dQ warp (kHandoff threads), dQ's tile
   constexpr int kBarDsReady = 1;
-  // the dQ tile between the consumers and the producer's dQ warp (consumers + one warp)
   constexpr int kBarDqFull = 2;
   constexpr int kBarDqEmpty = 3;
-  constexpr int kDqHandoff = kConsumerThreads + 32;
+  constexpr int kBarStats = 4;  // the consumer warpgroups' first statistics buffer
+  constexpr int kHandoff = kConsumerThreads + 32;
+  // dQ's product before dV's and dK's (its stores then overlap them) keeps P^T, dS^T, dQ's
+  // accumulator and dK, dV in registers at once: at head dim 128 ptxas spills 4 B, so there dV
+  // and dK complete first
+  constexpr bool kDqFirst = kHeadDim <= 64;
   static_assert(cosize_v<typename Traits::SmemLayoutK> * sizeof(T) == Traits::kSmemK &&
                     cosize_v<typename Traits::SmemLayoutV> * sizeof(T) == Traits::kSmemV &&
                     cosize_v<typename Traits::SmemLayoutQ> * sizeof(T) == Traits::kSmemQ &&
@@ -216,14 +230,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   auto& kv_full = *reinterpret_cast<FullBarrier*>(st.kv_full());
   auto qdo_full = reinterpret_cast<FullBarrier*>(st.qdo_full());
-  auto stats_full = reinterpret_cast<Barrier*>(st.stats_full());
   auto empty = reinterpret_cast<Barrier*>(st.empty());
   if (threadIdx.x == 0) {
     kv_full.init(1);
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
       qdo_full[s].init(1);
-      stats_full[s].init(32);
       empty[s].init(kConsumerWarps);
     }
     cutlass::arch::fence_barrier_init();
@@ -279,28 +291,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         cute::copy(args.tma_do.with(reinterpret_cast<uint64_t&>(qdo_full[at.stage])), tDogDo,
                    tDosDo);
       }
-    } else if (warp == 1) {
-      // the statistics of the same tiles, in the same order
-      for (int t = 0; t < walk.steps(p.group); ++t) {
-        const sm90::BwdStep<kStages> at(walk, t);
-        const int64_t stat0 =
-            (int64_t(batch) * p.heads_q + kv_head * p.group + at.g) * p.seqlen_q;
-        empty[at.stage].wait(at.phase ^ 1);
-        float* lse_s = st.lse() + at.stage * kBlockM;
-        float* d_s = st.dsum() + at.stage * kBlockM;
-        for (int i = lane; i < kBlockM; i += 32) {
-          const int row = at.m * kBlockM + i;
-          float l = kInf, d = 0.f;
-          if (row < p.seqlen_q) {
-            const float lse = p.lse[stat0 + row];
-            l = lse == -kInf ? kInf : lse * kLog2e;  // a row with no visible key: P = 0
-            d = p.dsum[stat0 + row];
-          }
-          lse_s[i] = l;
-          d_s[i] = d;
-        }
-        stats_full[at.stage].arrive();  // release: the stores above are visible to the waiters
-      }
     } else if (warp == 2) {
       // dQ: each step's tile, once the consumers have written it, added to the workspace
       Tensor mDq = args.tma_dq.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
@@ -313,7 +303,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         Tensor gDq = local_tile(mDq(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                                 make_coord(at.m, _0{}));
         Tensor tDqgDq = thr_tma_dq.partition_D(gDq);
-        cutlass::arch::NamedBarrier::sync(kDqHandoff, kBarDqFull);
+        sm90::bar_sync(kBarDqFull, kHandoff);
         if (lane == 0) {
           int* sem = nullptr;
           int turn = 0;
@@ -333,7 +323,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           }
         }
         __syncwarp();
-        if (t + 1 < steps) cutlass::arch::NamedBarrier::arrive(kDqHandoff, kBarDqEmpty);
+        if (t + 1 < steps) sm90::bar_arrive(kBarDqEmpty, kHandoff);
       }
       if (lane == 0) sm90::bulk_wait_complete();
     }
@@ -366,12 +356,34 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   clear(acc_dk);
   clear(acc_dv);
-  // (key, query) of every S^T element this thread holds, and (row, col) of its dQ elements
+  // (key, query) of every S^T element this thread holds
   Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
   Tensor c_rc = make_tensor(tScS.data(), sm90::rowcol_view(tScS.layout()));
   const sm90::DqStore<kBlockM, Traits::kDqCols> dq_store(ctid);
 
+  // The statistics of step t (log-sum-exp in base 2, +inf past seqlen_q or for a row with no
+  // visible key so that P = 0 there; D, 0 past seqlen_q): consumer thread i < 2 block_m loads
+  // one value, stored into shared buffer t % 2 before the consumers' dS^T barrier of step t - 1
+  // (which orders it before every read in step t; the next store to that buffer, in step t + 1,
+  // follows step t's barrier, after which no thread reads step t's statistics).
+  static_assert(2 * kBlockM <= kConsumerThreads, "one statistic per consumer thread");
+  auto load_stat = [&](int t) -> float {
+    const sm90::BwdStep<kStages> at(walk, t);
+    const int row = at.m * kBlockM + ctid % kBlockM;
+    const int64_t i = (int64_t(batch) * p.heads_q + kv_head * p.group + at.g) * p.seqlen_q + row;
+    if (ctid < kBlockM) {
+      const float l = row < p.seqlen_q ? p.lse[i] : -kInf;
+      return l == -kInf ? kInf : l * kLog2e;
+    }
+    return row < p.seqlen_q ? p.dsum[i] : 0.f;
+  };
+  auto store_stat = [&](int t, float v) {
+    if (ctid < 2 * kBlockM) st.stats(t & 1)[ctid] = v;
+  };
+
   if (!walk.empty()) {
+    store_stat(0, ctid < 2 * kBlockM ? load_stat(0) : 0.f);
+    sm90::bar_sync(kBarStats, kConsumerThreads);
     kv_full.wait(0);
     for (int t = 0; t < walk.steps(p.group); ++t) {
       {
@@ -384,9 +396,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         qdo_full[stage].wait(phase);
         sm90::wgmma_gemm<true, false>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
         sm90::wgmma_gemm<true, false>(mma_sdp, tPrV, tPrDo(_, _, _, stage), acc_dp);
-        stats_full[stage].wait(phase);
-        float const* lse_s = st.lse() + stage * kBlockM;
-        float const* d_s = st.dsum() + stage * kBlockM;
+        // the next step's statistics, loaded while this step computes
+        const bool has_next = t + 1 < walk.steps(p.group);
+        float next_stat = 0.f;
+        if (has_next && ctid < 2 * kBlockM) next_stat = load_stat(t + 1);
+        float const* lse_s = st.stats(t & 1);
+        float const* d_s = lse_s + kBlockM;
         warpgroup_wait<1>();  // S^T is done
         warpgroup_fence_operand(acc_s);
 
@@ -422,35 +437,53 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // dS^T to shared memory (dQ reads it as dS), before the register operands go in flight
         cute::copy(copy_ds, thr_copy_ds.retile_S(rDs), tDSsDst(_, _, _, buf));
         cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> wgmma reads
+        if (has_next) store_stat(t + 1, next_stat);  // ordered by the dS^T barrier below
 
-        // dV += P^T dO, dK += dS^T Q
         Tensor tVrP = make_tensor(rP.data(), sm90::acc_as_operand_a(rP.layout()));
         Tensor tKrDs = make_tensor(rDs.data(), sm90::acc_as_operand_a(rDs.layout()));
-        sm90::wgmma_gemm<false, true>(mma_dkv, tVrP, tVrDot(_, _, _, stage), acc_dv);
-        sm90::wgmma_gemm<false, true>(mma_dkv, tKrDs, tKrQt(_, _, _, stage), acc_dk);
-
-        // dQ part = dS K once every warpgroup's keys of dS^T are in shared memory
-        cutlass::arch::NamedBarrier::sync(kConsumerThreads, kBarDsReady);
-        // dV and dK are done: P^T and dS^T leave the registers before dQ's accumulator comes
-        // (ptxas spilled more with both in flight under dQ)
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_dv);
-        warpgroup_fence_operand(acc_dk);
-        if (lane == 0) empty[stage].arrive();  // Q, dO and the statistics of the slot are read
         Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-        sm90::wgmma_gemm<true, false>(mma_dq, tQrDs(_, _, _, buf), tQrKt, acc_dq);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_dq);
-
-        // the tile is free again once the dQ warp's TMA has read the previous step's
-        if (t > 0) cutlass::arch::NamedBarrier::sync(kDqHandoff, kBarDqEmpty);
-        CUTE_UNROLL
-        for (int mt = 0; mt < size<1>(acc_dq); ++mt) {
+        // dQ's tile to shared memory, for the dQ warp's reduce-add; the tile is free again once
+        // that warp's TMA has read the previous step's
+        auto stage_dq = [&]() {
+          if (t > 0) sm90::bar_sync(kBarDqEmpty, kHandoff);
           CUTE_UNROLL
-          for (int v = 0; v < size<0>(acc_dq); ++v) st.dq()[dq_store.offset(v, mt)] = acc_dq(v, mt, 0);
+          for (int mt = 0; mt < size<1>(acc_dq); ++mt) {
+            CUTE_UNROLL
+            for (int v = 0; v < size<0>(acc_dq); ++v) st.dq()[dq_store.offset(v, mt)] = acc_dq(v, mt, 0);
+          }
+          cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> the TMA's reads
+          sm90::bar_arrive(kBarDqFull, kHandoff);
+        };
+        if constexpr (kDqFirst) {
+          // dQ part = dS K once every warpgroup's keys of dS^T are in shared memory, then
+          // dV += P^T dO and dK += dS^T Q behind it: dQ's stores overlap those two
+          sm90::bar_sync(kBarDsReady, kConsumerThreads);
+          sm90::wgmma_gemm<true, false>(mma_dq, tQrDs(_, _, _, buf), tQrKt, acc_dq);
+          sm90::wgmma_gemm<false, true>(mma_dkv, tVrP, tVrDot(_, _, _, stage), acc_dv);
+          sm90::wgmma_gemm<false, true>(mma_dkv, tKrDs, tKrQt(_, _, _, stage), acc_dk);
+          warpgroup_wait<2>();  // dQ is done
+          warpgroup_fence_operand(acc_dq);
+          stage_dq();
+          warpgroup_wait<0>();  // dV and dK are done: P^T and dS^T leave the registers
+          warpgroup_fence_operand(acc_dv);
+          warpgroup_fence_operand(acc_dk);
+        } else {
+          // dV += P^T dO, dK += dS^T Q; then, once every warpgroup's keys of dS^T are in shared
+          // memory and P^T, dS^T have left the registers, dQ part = dS K
+          sm90::wgmma_gemm<false, true>(mma_dkv, tVrP, tVrDot(_, _, _, stage), acc_dv);
+          sm90::wgmma_gemm<false, true>(mma_dkv, tKrDs, tKrQt(_, _, _, stage), acc_dk);
+          sm90::bar_sync(kBarDsReady, kConsumerThreads);
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(acc_dv);
+          warpgroup_fence_operand(acc_dk);
+          sm90::wgmma_gemm<true, false>(mma_dq, tQrDs(_, _, _, buf), tQrKt, acc_dq);
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(acc_dq);
+          stage_dq();
         }
-        cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> the TMA's reads
-        cutlass::arch::NamedBarrier::arrive(kDqHandoff, kBarDqFull);
+        // Q and dO of the slot are read (every lane's reads before the arrive)
+        __syncwarp();
+        if (lane == 0) empty[stage].arrive();
       }
     }
   }
