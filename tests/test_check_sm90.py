@@ -145,7 +145,8 @@ def test_spark_says_sm90a_runs_on_sm90_only():
 
 def _bwd_catalogue():
     def k(name, family, bm, bn, wm, wn):
-        return {"name": name, "op": "bwd", "family": family, "dtype": "float16", "head_dim": 128,
+        return {"name": name, "op": "bwd", "family": family, "dtype": "float16",
+                "head_dim": int(name.split("_d")[1].split("_")[0]),
                 "block_m": bm, "block_n": bn, "warps_m": wm, "warps_n": wn, "accum": 32,
                 "softmax": "smem", "min_arch": family, "archs": [80, 90], "smem_bytes": 1000}
     return {x["name"]: x for x in (
@@ -153,6 +154,8 @@ def _bwd_catalogue():
         k("bwd_sm90_f16_d128_m64n128_s2", 90, 64, 128, 8, 1),
         k("bwd_sm90_f16_d128_m64n128_s3", 90, 64, 128, 8, 1),
         k("bwd_sm90_f16_d128_m64n64_s2", 90, 64, 64, 4, 1),
+        k("bwd_sm80_f16_d64_m128n128_w2x4_acc32", 80, 128, 128, 2, 4),
+        k("bwd_sm90_f16_d64_m64n128_s2", 90, 64, 128, 8, 1),
     )}
 
 
@@ -194,6 +197,12 @@ def test_spark_bwd_sm90_default_and_deterministic(monkeypatch):
     assert b._config_reasons(det, b._catalogue()["bwd_sm90_f16_d128_m64n128_s2"], hopper) == []
     assert b.default_config(det, hopper) == "bwd_sm90_f16_d128_m64n128_s2"
     assert b.default_config(det, ampere) is None  # no deterministic backward there
+    # head dim 64: the Hopper default serves deterministic problems only (the family 80
+    # default is faster there, kernel_space.SM90_DETERMINISTIC_ONLY)
+    p64 = Problem("bwd", "float16", 1, 2, 2, 4096, 4096, 64, True)
+    assert ("bwd", 64) in kernel_space.SM90_DETERMINISTIC_ONLY
+    assert b.default_config(p64, hopper) == "bwd_sm80_f16_d64_m128n128_w2x4_acc32"
+    assert b.default_config(p64.replace(deterministic=True), hopper) == "bwd_sm90_f16_d64_m64n128_s2"
 
 
 def test_gpu_check_bwd_says_where_a_gradient_is_wrong():

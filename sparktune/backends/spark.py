@@ -12,7 +12,13 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..kernels.kernel_space import BWD_DEFAULTS, FWD_DEFAULTS, SM90_DEFAULTS, is_unverified
+from ..kernels.kernel_space import (
+    BWD_DEFAULTS,
+    FWD_DEFAULTS,
+    SM90_DEFAULTS,
+    SM90_DETERMINISTIC_ONLY,
+    is_unverified,
+)
 from .base import Backend
 
 if TYPE_CHECKING:
@@ -191,6 +197,8 @@ class SparkBackend(Backend):
         cat = self._catalogue()
         if device is not None and device.arch == 90:
             tail = self._DEFAULTS90.get((problem.op, problem.head_dim))
+            if (problem.op, problem.head_dim) in SM90_DETERMINISTIC_ONLY and not problem.deterministic:
+                tail = None  # the family 80 default is faster there
             hopper = [c.config for c in cands if cat[c.config]["family"] == 90]
             if tail is not None:
                 exact = [n for n in hopper if n.endswith("_" + tail)]

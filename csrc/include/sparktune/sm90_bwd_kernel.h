@@ -363,9 +363,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   // The statistics of step t (log-sum-exp in base 2, +inf past seqlen_q or for a row with no
   // visible key so that P = 0 there; D, 0 past seqlen_q): consumer thread i < 2 block_m loads
-  // one value, stored into shared buffer t % 2 before the consumers' dS^T barrier of step t - 1
-  // (which orders it before every read in step t; the next store to that buffer, in step t + 1,
-  // follows step t's barrier, after which no thread reads step t's statistics).
+  // one value from global memory in step t - 2 (a whole step for the load to arrive) and
+  // stores it into shared buffer t % 2 before the consumers' dS^T barrier of step t - 1, which
+  // orders it before every read in step t; the next store to that buffer, in step t + 1,
+  // follows step t's barrier, after which no thread reads step t's statistics.
   static_assert(2 * kBlockM <= kConsumerThreads, "one statistic per consumer thread");
   auto load_stat = [&](int t) -> float {
     const sm90::BwdStep<kStages> at(walk, t);
@@ -383,6 +384,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   if (!walk.empty()) {
     store_stat(0, ctid < 2 * kBlockM ? load_stat(0) : 0.f);
+    // the value for step t + 1, loaded one step before it is stored
+    float pending = ctid < 2 * kBlockM && walk.steps(p.group) > 1 ? load_stat(1) : 0.f;
     sm90::bar_sync(kBarStats, kConsumerThreads);
     kv_full.wait(0);
     for (int t = 0; t < walk.steps(p.group); ++t) {
@@ -396,10 +399,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         qdo_full[stage].wait(phase);
         sm90::wgmma_gemm<true, false>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
         sm90::wgmma_gemm<true, false>(mma_sdp, tPrV, tPrDo(_, _, _, stage), acc_dp);
-        // the next step's statistics, loaded while this step computes
-        const bool has_next = t + 1 < walk.steps(p.group);
-        float next_stat = 0.f;
-        if (has_next && ctid < 2 * kBlockM) next_stat = load_stat(t + 1);
         float const* lse_s = st.stats(t & 1);
         float const* d_s = lse_s + kBlockM;
         warpgroup_wait<1>();  // S^T is done
@@ -437,7 +436,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // dS^T to shared memory (dQ reads it as dS), before the register operands go in flight
         cute::copy(copy_ds, thr_copy_ds.retile_S(rDs), tDSsDst(_, _, _, buf));
         cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> wgmma reads
-        if (has_next) store_stat(t + 1, next_stat);  // ordered by the dS^T barrier below
+        if (t + 1 < walk.steps(p.group)) store_stat(t + 1, pending);  // ordered by the barrier below
+        if (t + 2 < walk.steps(p.group) && ctid < 2 * kBlockM) pending = load_stat(t + 2);
 
         Tensor tVrP = make_tensor(rP.data(), sm90::acc_as_operand_a(rP.layout()));
         Tensor tKrDs = make_tensor(rDs.data(), sm90::acc_as_operand_a(rDs.layout()));
