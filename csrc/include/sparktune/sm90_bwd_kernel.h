@@ -9,8 +9,8 @@
 // Warpgroups 1.. are consumers of 64 keys each. Per query tile, with wgmma:
 //     S^T = K Q^T,  dP^T = V dO^T                      (shared x shared, back to back)
 //     P^T = exp2(S^T * scale_log2 - lse_log2)          (masked: key tail, causal diagonal)
-//                   (the consumers load the next step's log-sum-exp and D rows from global
-//                    memory into a shared double buffer during this step)
+//                   (the consumers load a step's log-sum-exp and D rows from global memory
+//                    two steps ahead and store them into a shared double buffer)
 //     dS^T = P^T * (dP^T - D)
 //     dV += P^T dO,  dK += dS^T Q                       (P^T, dS^T as register operands)
 //     dQ_part = dS K                                    (dS^T through shared memory)
@@ -29,7 +29,7 @@
 
 #include <cmath>
 
-#include "bwd_kernel.h"       // bwd_preprocess_kernel, bwd_convert_dq_kernel, add_dq, kLog2e
+#include "bwd_kernel.h"       // bwd_preprocess_kernel, bwd_convert_dq_kernel, kLog2e
 #include "fragment.h"
 #include "params.h"
 #include "sm90_bwd_traits.h"
