@@ -57,6 +57,35 @@ def test_default_per_architecture(op):
     assert _resolve.heuristic_default(p, None, registered=_registered()).candidate == Candidate("torch", "math")
 
 
+class _StandInTriton(ReferenceBackend):
+    """Stands in for the Triton family (no GPU here): runs whatever it is asked on a GPU."""
+
+    name = "triton"
+
+    def not_supported_reasons(self, problem, config=None, device=None):
+        return [] if device is not None else ["needs CUDA"]
+
+
+@pytest.mark.parametrize("features", [dict(varlen=True, batch=8, seqlen_q=512, seqlen_k=512, total_q=4096, total_k=4096),
+                                      dict(window_left=256), dict(softcap=True), dict(alibi=True),
+                                      dict(dropout=True)])
+def test_attention_features_default_to_the_triton_family_on_a_gpu(features):
+    """With window, soft-capping, ALiBi, dropout or packed sequences, no record and a GPU from
+    sm_80 on, the Triton family comes first (the torch backend's default there, FlexAttention,
+    builds its block mask on every call); plain problems keep SDPA's own choice, CPU tensors
+    and Volta keep their orders."""
+    reg = {**_registered(), "triton": _StandInTriton()}
+    p = problem(dtype="bfloat16", heads_q=16, heads_kv=16, head_dim=128, causal=True, **features)
+    sel = _resolve.heuristic_default(p, HOPPER, registered=reg)
+    assert sel.candidate.backend == "triton" and sel.source == "default", sel
+    assert "Triton family comes first" in sel.detail
+    assert _resolve.default_order(HOPPER, p) == _resolve.FEATURE_DEFAULT_ORDER
+    assert _resolve.default_order(VOLTA, p) == _resolve.VOLTA_DEFAULT_ORDER
+    assert _resolve.default_order(None, p) == _resolve.DEFAULT_ORDER
+    plain = problem(dtype="bfloat16", heads_q=16, heads_kv=16, head_dim=128, causal=True)
+    assert _resolve.heuristic_default(plain, HOPPER, registered=reg).candidate == Candidate("torch", AUTO)
+
+
 @pytest.fixture
 def store_path(tmp_path, monkeypatch):
     monkeypatch.setattr(dispatch, "build_id", lambda: BUILD)

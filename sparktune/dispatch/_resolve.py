@@ -30,6 +30,7 @@ __all__ = [
     "CPU_DECODE_DEFAULT_ORDER",
     "DECODE_DEFAULT_ORDER",
     "DEFAULT_ORDER",
+    "FEATURE_DEFAULT_ORDER",
     "NEAREST_MAX_OCTAVES",
     "SOURCES",
     "VOLTA_DEFAULT_ORDER",
@@ -54,6 +55,12 @@ VOLTA_DEFAULT_ORDER = ("spark", "triton", "torch", "reference")
 DECODE_DEFAULT_ORDER = ("triton", "torch", "reference")
 #: decode problems on CPU tensors: Triton under its interpreter, else the reference math
 CPU_DECODE_DEFAULT_ORDER = ("triton", "reference", "torch")
+#: problems with attention features (window, soft-capping, ALiBi, dropout, packed sequences) on
+#: a GPU from sm_80 on: the Triton family first, which runs each of them in one kernel; the
+#: torch backend's default there is FlexAttention, whose block mask is built for every call
+#: (bench/varlen.py on an H200, 8 x 2048 packed causal, bf16: dispatch with DEFAULT_ORDER
+#: 11 / 17 TFLOP/s forward / forward+backward, the Triton family forced 216 / 185)
+FEATURE_DEFAULT_ORDER = ("triton", "torch", "spark", "reference")
 #: the first architecture where SDPA's own choice is the default
 SDPA_DEFAULT_MIN_ARCH = 80
 #: a record serves shapes whose seqlen_q and seqlen_k are each within this many octaves
@@ -188,6 +195,8 @@ def heuristic_default(
             why = "the decode default order (docs/DECODING.md): no record reaches this shape"
         elif preferred is VOLTA_DEFAULT_ORDER:
             why = "before sm_80 sparktune's kernels come first (SDPA has no flash path there)"
+        elif preferred is FEATURE_DEFAULT_ORDER:
+            why = "with attention features the Triton family comes first: no record reaches this shape"
         else:
             why = "PyTorch SDPA's own choice comes first: no record reaches this shape"
         return Selection(Candidate(name, cfg), "default", f"default for the architecture ({name}: {why})")
@@ -200,7 +209,14 @@ def default_order(device: DeviceInfo | None, problem: Problem | None = None) -> 
         return CPU_DECODE_DEFAULT_ORDER if device is None else DECODE_DEFAULT_ORDER
     if device is not None and device.arch < SDPA_DEFAULT_MIN_ARCH:
         return VOLTA_DEFAULT_ORDER
+    if device is not None and problem is not None and _has_attention_features(problem):
+        return FEATURE_DEFAULT_ORDER
     return DEFAULT_ORDER
+
+
+def _has_attention_features(p: Problem) -> bool:
+    return (p.window_left != -1 or p.window_right != -1 or p.softcap or p.alibi or p.dropout
+            or p.varlen)
 
 
 def _shape_text(p: Problem) -> str:
