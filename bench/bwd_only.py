@@ -16,19 +16,8 @@ import math
 
 import torch
 import torch.nn.functional as F
-from common import add_sweep_arguments, sweep
+from common import add_sweep_arguments, seconds_per_call, sweep
 from torch.nn.attention import SDPBackend, sdpa_kernel
-
-
-def _time(fn, calls: int = 5) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls / 1e3
 
 
 def main(argv=None) -> int:
@@ -73,7 +62,7 @@ def main(argv=None) -> int:
         best = {c: math.inf for c in cands}
         for _ in range(args.rounds):
             for c, fn in cands.items():
-                best[c] = min(best[c], _time(fn))
+                best[c] = min(best[c], seconds_per_call(fn))
         base = flops / best["cudnn"] / 1e12
         cells = "  ".join(f"{c.replace('bwd_', '')}={flops / t / 1e12:.0f} ({flops / t / 1e12 / base:.2f}x)"
                           for c, t in best.items() if c != "cudnn")

@@ -47,3 +47,18 @@ def do_bench(fn: Callable[[], object], grad_to_none: list | None = None) -> floa
 
 def tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12
+
+
+def seconds_per_call(fn: Callable[[], object], calls: int = 5) -> float:
+    """Seconds per call of ``fn``: one warm-up call, then ``calls`` calls between two CUDA
+    events (for the round-robin comparisons, which take the best of several rounds)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls / 1e3

@@ -23,17 +23,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-
-
-def _time(fn, calls: int = 5) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls / 1e3
+from common import seconds_per_call
 
 
 def _lengths_half_padded(batch: int, max_len: int, gen: torch.Generator) -> list[int]:
@@ -124,7 +114,7 @@ def main(argv=None) -> int:
         best = {c: math.inf for c in cands}
         for _ in range(args.rounds):
             for c, fn in cands.items():
-                best[c] = min(best[c], _time(fn))
+                best[c] = min(best[c], seconds_per_call(fn))
         tf = {c: flops * (3.5 if "bwd" in c else 1.0) / t / 1e12 for c, t in best.items()}
         print(f"{case}: lengths {lens} ({total} tokens)")
         for part in ("fwd", "fwd+bwd"):
