@@ -61,6 +61,8 @@ CPU_DECODE_DEFAULT_ORDER = ("triton", "reference", "torch")
 #: (bench/varlen.py on an H200, 8 x 2048 packed causal, bf16: dispatch with DEFAULT_ORDER
 #: 11 / 17 TFLOP/s forward / forward+backward, the Triton family forced 216 / 185)
 FEATURE_DEFAULT_ORDER = ("triton", "torch", "spark", "reference")
+#: the Problem.features that take FEATURE_DEFAULT_ORDER
+_TRITON_FIRST_FEATURES = frozenset({"window", "softcap", "alibi", "dropout", "varlen"})
 #: the first architecture where SDPA's own choice is the default
 SDPA_DEFAULT_MIN_ARCH = 80
 #: a record serves shapes whose seqlen_q and seqlen_k are each within this many octaves
@@ -209,14 +211,9 @@ def default_order(device: DeviceInfo | None, problem: Problem | None = None) -> 
         return CPU_DECODE_DEFAULT_ORDER if device is None else DECODE_DEFAULT_ORDER
     if device is not None and device.arch < SDPA_DEFAULT_MIN_ARCH:
         return VOLTA_DEFAULT_ORDER
-    if device is not None and problem is not None and _has_attention_features(problem):
+    if device is not None and problem is not None and problem.features & _TRITON_FIRST_FEATURES:
         return FEATURE_DEFAULT_ORDER
     return DEFAULT_ORDER
-
-
-def _has_attention_features(p: Problem) -> bool:
-    return (p.window_left != -1 or p.window_right != -1 or p.softcap or p.alibi or p.dropout
-            or p.varlen)
 
 
 def _shape_text(p: Problem) -> str:
