@@ -112,15 +112,12 @@ def _decode_reasons(problem: Problem, config: str | None, device: DeviceInfo | N
     """Why the split-KV decode kernels cannot run a decode problem (with ``config``)."""
     from ..kernels.triton_decode_space import parse_decode_config, problem_reasons
 
-    reasons = []
-    if device is None:
-        if not _interpret_requested():
-            reasons.append(
-                "decode kernels need CUDA tensors (CPU tensors run only under Triton's "
-                "interpreter, TRITON_INTERPRET=1)"
-            )
-    elif tuple(device.capability) < MIN_CAPABILITY:
-        reasons.append(f"decode kernels need sm_80 or later (device is sm_{device.arch})")
+    reasons = _device_reasons(
+        device,
+        "decode kernels need CUDA tensors (CPU tensors run only under Triton's interpreter, "
+        "TRITON_INTERPRET=1)",
+        "decode kernels need sm_80 or later",
+    )
     reasons += problem_reasons(problem)
     if config is not None:
         try:
@@ -130,16 +127,22 @@ def _decode_reasons(problem: Problem, config: str | None, device: DeviceInfo | N
     return reasons
 
 
-def _problem_reasons(problem: Problem, device: DeviceInfo | None) -> list[str]:
-    reasons = []
+def _device_reasons(device: DeviceInfo | None, no_cuda: str, pre_ampere: str) -> list[str]:
+    """``no_cuda`` for CPU tensors unless Triton's interpreter is asked for; ``pre_ampere``
+    (with the device's arch) before sm_80."""
     if device is None:
-        if not _interpret_requested():
-            reasons.append(
-                "needs CUDA tensors (CPU tensors run only under Triton's interpreter, "
-                "TRITON_INTERPRET=1)"
-            )
-    elif tuple(device.capability) < MIN_CAPABILITY:
-        reasons.append(f"{_PRE_AMPERE} (device is sm_{device.arch})")
+        return [] if _interpret_requested() else [no_cuda]
+    if tuple(device.capability) < MIN_CAPABILITY:
+        return [f"{pre_ampere} (device is sm_{device.arch})"]
+    return []
+
+
+def _problem_reasons(problem: Problem, device: DeviceInfo | None) -> list[str]:
+    reasons = _device_reasons(
+        device,
+        "needs CUDA tensors (CPU tensors run only under Triton's interpreter, TRITON_INTERPRET=1)",
+        _PRE_AMPERE,
+    )
     if problem.dtype not in DTYPES:
         reasons.append(f"dtype {problem.dtype} (needs float16 or bfloat16)")
     if not MIN_HEAD_DIM <= problem.head_dim <= MAX_HEAD_DIM:
