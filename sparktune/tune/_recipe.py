@@ -262,14 +262,8 @@ def _expand(c: _Checker, shape: _Map, defaults: _Map | None, fld: str) -> list[P
                   "(give the decode shapes their own entry)")
             return []
         return _expand_decode(c, shape, merged, vals, fld)
-    for key in _DECODE_ONLY:
-        if key in merged:
-            c.err(merged[key][1], f"{merged[key][2]}.{key}", "for decode shapes only (ops: decode)")
-            ok = False
-    for key in ("seqlen", "heads", "head_dim"):
-        if key not in merged:
-            c.err(shape.line, f"{fld}.{key}", "missing (give it in the shape or in defaults)")
-            ok = False
+    ok = _fields_allowed(c, shape, merged, fld, _DECODE_ONLY, "for decode shapes only (ops: decode)",
+                         ("seqlen", "heads", "head_dim"))
     if "batch" in merged and "tokens" in merged:
         c.err(shape.line, fld, "give batch or tokens, not both (one of them may come from defaults)")
         ok = False
@@ -324,21 +318,29 @@ def _expand(c: _Checker, shape: _Map, defaults: _Map | None, fld: str) -> list[P
     return problems
 
 
+def _fields_allowed(c: _Checker, shape: _Map, merged: dict[str, tuple[Any, int, str]], fld: str,
+                    refused: tuple[str, ...], why: str, required: tuple[str, ...]) -> bool:
+    """Report every field of ``refused`` the shape has (with ``why``) and every one of
+    ``required`` it lacks; True when there is none of either."""
+    ok = True
+    for key in refused:
+        if key in merged:
+            c.err(merged[key][1], f"{merged[key][2]}.{key}", why)
+            ok = False
+    for key in required:
+        if key not in merged:
+            c.err(shape.line, f"{fld}.{key}", "missing (give it in the shape or in defaults)")
+            ok = False
+    return ok
+
+
 def _expand_decode(c: _Checker, shape: _Map, merged: dict[str, tuple[Any, int, str]],
                    vals: dict[str, list[Any]], fld: str) -> list[Problem]:
     """The decode problems of a shape with ``ops: decode`` (already checked field by field)."""
     from .._kvcache import cache_bucket
 
-    ok = True
-    for key in _DENSE_ONLY:
-        if key in merged:
-            c.err(merged[key][1], f"{merged[key][2]}.{key}", "not for decode shapes (ops: decode)")
-            ok = False
-    for key in ("cache_len", "heads", "head_dim"):
-        if key not in merged:
-            c.err(shape.line, f"{fld}.{key}", "missing (give it in the shape or in defaults)")
-            ok = False
-    if not ok:
+    if not _fields_allowed(c, shape, merged, fld, _DENSE_ONLY, "not for decode shapes (ops: decode)",
+                           ("cache_len", "heads", "head_dim")):
         return []
     vals.setdefault("dtype", ["float16"])
     vals.setdefault("causal", [True])
