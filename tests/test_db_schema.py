@@ -82,19 +82,24 @@ def test_upgrade_from_v1_keeps_records(tmp_path):
     assert _version(path) == str(SCHEMA_VERSION)
 
 
-def _v3_file(tmp_path):
-    """A store as schema version 3 wrote it (no burst floor column), with one record."""
-    path = tmp_path / "v3.sqlite3"
+def _older_file(tmp_path, version: int, dropped, config: str):
+    """A store as schema ``version`` wrote it (without the ``dropped`` columns), with one
+    forward record of ``config``."""
+    path = tmp_path / f"v{version}.sqlite3"
     with Store(path) as s:
-        s.add([record(config="v3", median=2.0)])
+        s.add([record(config=config, median=2.0)])
     con = sqlite3.connect(path)
-    con.execute("ALTER TABLE sparktune_records DROP COLUMN floor_ms")
-    for name in KEY_COLUMNS:  # schemas 5 and 6
+    for name in dropped:
         con.execute(f"ALTER TABLE sparktune_records DROP COLUMN {name}")
-    con.execute("UPDATE sparktune_meta SET value='3' WHERE key='schema_version'")
+    con.execute(f"UPDATE sparktune_meta SET value='{version}' WHERE key='schema_version'")
     con.commit()
     con.close()
     return path
+
+
+def _v3_file(tmp_path):
+    """A store as schema version 3 wrote it (no burst floor column), with one record."""
+    return _older_file(tmp_path, 3, ("floor_ms", *KEY_COLUMNS), "v3")  # KEY_COLUMNS: schemas 5 and 6
 
 
 def test_schema_3_is_read_as_it_is_and_upgraded_with_the_burst_floor(tmp_path):
@@ -164,16 +169,7 @@ def test_foreign_table_without_meta_is_an_error(tmp_path):
 
 def _v4_file(tmp_path):
     """A store as schema version 4 wrote it (no feature columns), with one record."""
-    path = tmp_path / "v4.sqlite3"
-    with Store(path) as s:
-        s.add([record(config="v4rec", median=2.0)])
-    con = sqlite3.connect(path)
-    for name in KEY_COLUMNS:
-        con.execute(f"ALTER TABLE sparktune_records DROP COLUMN {name}")
-    con.execute("UPDATE sparktune_meta SET value='4' WHERE key='schema_version'")
-    con.commit()
-    con.close()
-    return path
+    return _older_file(tmp_path, 4, KEY_COLUMNS, "v4rec")
 
 
 def test_schema_4_rows_read_as_features_off_before_and_after_the_upgrade(tmp_path):
@@ -209,16 +205,7 @@ DECODE = Problem("decode", "bfloat16", 8, 32, 8, 1, 8192, 128, True, page_size=2
 
 def _v5_file(tmp_path):
     """A store as schema version 5 wrote it (no decode columns), with one forward record."""
-    path = tmp_path / "v5.sqlite3"
-    with Store(path) as s:
-        s.add([record(config="v5rec", median=2.0)])
-    con = sqlite3.connect(path)
-    for name in DECODE_COLUMNS:
-        con.execute(f"ALTER TABLE sparktune_records DROP COLUMN {name}")
-    con.execute("UPDATE sparktune_meta SET value='5' WHERE key='schema_version'")
-    con.commit()
-    con.close()
-    return path
+    return _older_file(tmp_path, 5, DECODE_COLUMNS, "v5rec")
 
 
 def test_schema_5_is_read_as_it_is_and_upgraded_for_decode_records(tmp_path):
