@@ -3,7 +3,7 @@
 # and packed into $OUT/logs.tgz (the device returns few files):
 #   tools/gpu_session.sh KERNEL_PATTERNS STEP [STEP ...]
 # KERNEL_PATTERNS "prebuilt": sparktune/_C*.so was built on another machine for the device's
-# Python (no torch linkage: tools/devbuild.sh 90 PATTERNS python3.12) and carried; no build here.
+# Python and carried; no build here (tools/device_prep.sh).
 # STEP: models (transformers models end to end, fresh database, shipped records),
 #       tests (the GPU tests of the call path, kernels, compile and timer),
 #       tune (tools/gpu_check_tune.sh), recipe:FILE:SECONDS (tune a recipe into $OUT/recipe.sqlite3),
@@ -22,12 +22,8 @@ export PYTHONUNBUFFERED=1
 logs=${OUT:-/tmp/out}/logs
 mkdir -p "$logs"
 patterns=$1; shift
-if [ "$patterns" = prebuilt ]; then
-  # sparktune/_C*.so built elsewhere for this Python (tools/devbuild.sh ARCHS PATTERNS python3.12)
-  # and carried: install the wheels only.
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl > "$logs/prep.log" 2>&1
-  PYTHONPATH=/tmp/site:$PWD python3 -c "import sparktune._C as C; print('prebuilt', len(C.kernels()), 'kernels for', C.build_info()['archs'])" 2>&1 | tee -a "$logs/prep.log"
-elif ! python3 -c "import sparktune._C" 2>/dev/null || ! python3 -c "import optuna" 2>/dev/null; then
+if [ "$patterns" = prebuilt ] || ! python3 -c "import sparktune._C" 2>/dev/null \
+    || ! python3 -c "import optuna" 2>/dev/null; then
   . tools/device_prep.sh "$patterns" > "$logs/prep.log" 2>&1; tail -2 "$logs/prep.log"
 fi
 export PYTHONPATH=/tmp/site:$PWD
