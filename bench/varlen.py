@@ -55,6 +55,15 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--backend", default=None, help="force a sparktune backend (default: dispatch)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time, forward only: the Triton varlen kernel called below the API "
+                         "(no checks, no dispatch), and (equal lengths) sparktune.attention on the "
+                         "unpacked batch with the same backend")
+    ap.add_argument("--config", default=None, help="with --breakdown: the Triton forward config "
+                    "of the kernel-only column (default: the backend's default)")
+    ap.add_argument("--spark-configs", default="",
+                    help="with --breakdown: also time these spark forward kernels (comma-separated "
+                         "names, family 90) through varlen_attention(backend='spark', config=...)")
     args = ap.parse_args(argv)
 
     import sparktune
@@ -110,6 +119,8 @@ def main(argv=None) -> int:
 
         cands = {"ours fwd": fo(ours_fwd), "sdpa fwd": fo(sdpa_fwd),
                  "ours fwd+bwd": fb(ours_fwd, do), "sdpa fwd+bwd": fb(sdpa_fwd, dob)}
+        if args.breakdown:
+            cands.update(_breakdown(args, case, q, k, v, cu, n_max, qb, kb, vb, causal))
         flops = 4 * h * d * _visible_pairs(lens, causal)
         best = {c: math.inf for c in cands}
         for _ in range(args.rounds):
@@ -123,7 +134,45 @@ def main(argv=None) -> int:
             ok &= met
             print(f"  {part:>7}: sparktune {tf[f'ours {part}']:.0f}  sdpa {tf[f'sdpa {part}']:.0f}  "
                   f"ratio {ratio:.2f} (target {target}: {'met' if met else 'MISSED'})", flush=True)
+        for c in cands:
+            if c.startswith("breakdown"):
+                print(f"  {c}: {tf[c]:.0f} ({best[c] * 1e3:.3f} ms)")
+        if args.breakdown:
+            print(f"  (ours fwd: {best['ours fwd'] * 1e3:.3f} ms; sdpa fwd: {best['sdpa fwd'] * 1e3:.3f} ms)")
     return 0 if ok else 1
+
+
+def _breakdown(args, case, q, k, v, cu, n_max, qb, kb, vb, causal) -> dict:
+    """Forward-only candidates that separate the varlen kernel from the API's host path."""
+    import sparktune
+    from sparktune.kernels import triton_attn
+
+    cfg = args.config or ("tfwd_m128n128_w8s3" if q.shape[-1] > 64 else "tfwd_m128n64_w8s3")
+    out = torch.empty_like(q)
+    scale = q.shape[-1] ** -0.5
+
+    def kernel_only():
+        triton_attn.attention_forward(q, k, v, out, config=cfg, causal=causal, scale=scale,
+                                      cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n_max,
+                                      max_seqlen_k=n_max)
+
+    cands = {f"breakdown kernel only ({cfg})": kernel_only}
+    for name in filter(None, args.spark_configs.split(",")):
+        def spark(name=name):
+            with torch.no_grad():
+                sparktune.varlen_attention(q, k, v, cu, cu, n_max, n_max, causal=causal,
+                                           backend="spark", config=name)
+
+        cands[f"breakdown spark {name}"] = spark
+    if case == "equal lengths":
+        backend = args.backend or "triton"
+
+        def dense():
+            with torch.no_grad():
+                sparktune.attention(qb, kb, vb, causal=causal, backend=backend)
+
+        cands[f"breakdown {backend} on the unpacked batch"] = dense
+    return cands
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -368,6 +370,46 @@ def draw_seed_offset(generator: torch.Generator | None, device: torch.device, co
 
 # --------------------------------------------------------------------------- varlen
 
+#: id(tensor) -> (weak reference, version, data pointer, values) of the boundary tensors read
+#: lately (at most _CU_CACHE_SIZE, the oldest dropped first)
+_CU_CACHE: dict[int, tuple[Any, int, int, tuple[int, ...]]] = {}
+_CU_CACHE_SIZE = 64
+_CU_LOCK = threading.Lock()
+
+
+def cu_values(cu: torch.Tensor) -> tuple[int, ...]:
+    """The values of a boundary tensor (``cu_seqlens_*``), read once per tensor and version.
+
+    Reading a CUDA tensor's values waits for the device, so a model that passes the same
+    ``cu_seqlens`` to every layer (and the backward, which reuses them) would otherwise stall
+    the host at every call. The values are kept for the same tensor object (held weakly, so
+    nothing is kept alive) while its version counter and data pointer are unchanged: an in-place
+    change (``cu[1] = 5``, ``cu.copy_(...)``) bumps the version and the next call reads again.
+    Tensors without a version counter (made under ``torch.inference_mode``) are read every time."""
+    try:
+        version = cu._version
+    except (RuntimeError, AttributeError):
+        return tuple(cu.tolist())
+    key, ptr = id(cu), cu.data_ptr()
+    with _CU_LOCK:
+        hit = _CU_CACHE.get(key)
+    if hit is not None and hit[0]() is cu and hit[1] == version and hit[2] == ptr:
+        return hit[3]
+    values = tuple(cu.tolist())
+
+    def forget(_ref: Any, key: int = key) -> None:
+        with _CU_LOCK:
+            entry = _CU_CACHE.get(key)
+            if entry is not None and entry[0] is _ref:
+                del _CU_CACHE[key]
+
+    with _CU_LOCK:
+        _CU_CACHE.pop(key, None)
+        while len(_CU_CACHE) >= _CU_CACHE_SIZE:
+            del _CU_CACHE[next(iter(_CU_CACHE))]
+        _CU_CACHE[key] = (weakref.ref(cu, forget), version, ptr, values)
+    return values
+
 
 def check_cu_seqlens(
     cu_seqlens_q: object,
@@ -377,11 +419,13 @@ def check_cu_seqlens(
     total_q: int,
     total_k: int,
     device: torch.device,
-) -> tuple[list[int], list[int], int, int]:
+) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:
     """The varlen boundaries checked (docs/FEATURES.md): both int32 1-d on the inputs'
     device, of one length (B + 1), starting at 0, non-decreasing, ending at the packed
-    totals, and the max lengths at least the longest sequence. Returns them as lists with
-    the max lengths."""
+    totals, and the max lengths at least the longest sequence. Returns their values with the
+    max lengths. The values are read from the device once per tensor (:func:`cu_values`):
+    a model passing the same boundaries to every layer waits for the device once, not at
+    every call."""
     lists = []
     for name, cu, total in (
         ("cu_seqlens_q", cu_seqlens_q, total_q),
@@ -398,7 +442,7 @@ def check_cu_seqlens(
             )
         if cu.device != device:
             raise ValueError(f"{name} must be on the inputs' device {device}, got {cu.device}")
-        values = cu.tolist()
+        values = cu_values(cu)
         if values[0] != 0:
             raise ValueError(f"{name} must start at 0, got {values[0]}")
         for b in range(len(values) - 1):

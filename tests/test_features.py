@@ -366,6 +366,51 @@ def test_varlen_feature_arguments_are_checked_too():
         sparktune.varlen_attention(**_varlen_args(), window=(-3, 1))
 
 
+def test_boundaries_are_read_once_per_tensor_and_version(monkeypatch):
+    from sparktune import _checks
+
+    reads = []
+    real = torch.Tensor.tolist
+
+    def counting(self):
+        reads.append(self.numel())
+        return real(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting)
+    args = _varlen_args()
+    cu_q, cu_k = args["cu_seqlens_q"], args["cu_seqlens_k"]
+    ref = sparktune.varlen_attention(**args)
+    assert len(reads) == 2  # each boundary tensor once
+    again = sparktune.varlen_attention(**args)
+    assert len(reads) == 2  # the same tensors, unchanged: nothing read
+    torch.testing.assert_close(again, ref)
+    # an in-place change is seen (the version moves), and checked like a new tensor
+    cu_q[1] = 6
+    changed = sparktune.varlen_attention(**args)
+    assert len(reads) == 3
+    assert not torch.equal(changed, ref)
+    cu_q[1] = 11
+    with pytest.raises(ValueError, match="non-decreasing"):
+        sparktune.varlen_attention(**args)
+    # an equal tensor that is another object is read again
+    sparktune.varlen_attention(**{**args, "cu_seqlens_q": torch.tensor([0, 4, 10], dtype=I32)})
+    assert len(reads) == 5
+    # nothing is kept alive
+    import gc
+    import weakref
+
+    gone = weakref.ref(cu_k)
+    del args, cu_k
+    gc.collect()
+    assert gone() is None
+    assert all(entry[0]() is not None for entry in _checks._CU_CACHE.values())
+    with torch.inference_mode():  # no version counter: read every time
+        cu = torch.tensor([0, 4, 10], dtype=I32)
+        n = len(reads)
+        assert _checks.cu_values(cu) == (0, 4, 10) and _checks.cu_values(cu) == (0, 4, 10)
+        assert len(reads) == n + 2
+
+
 # --------------------------------------------------------------------------- key and dispatch
 
 
