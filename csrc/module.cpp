@@ -139,11 +139,26 @@ void check_launch(cudaError_t err, const std::string& name) {
 void fwd(const std::string& name, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o,
          uintptr_t lse, int batch, int heads_q, int heads_kv, int seqlen_q, int seqlen_k,
          int head_dim, Strides qs, Strides ks, Strides vs, Strides os, double scale, bool causal,
-         uintptr_t stream) {
+         uintptr_t stream, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q,
+         int total_k) {
   const KernelInfo& info = find_kernel(name, "fwd");
   FwdParams p;
   fill_common(p, info, q, k, v, o, lse, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim,
               qs, ks, vs, os, scale, causal);
+  if (cu_seqlens_q != 0 || cu_seqlens_k != 0) {
+    if (info.family != 90) {
+      throw std::invalid_argument("kernel '" + name +
+                                  "' has no packed-sequence mode (the family 90 forward has)");
+    }
+    if (cu_seqlens_q == 0 || cu_seqlens_k == 0 || total_q < 1 || total_k < 1) {
+      throw std::invalid_argument("packed sequences need cu_seqlens_q, cu_seqlens_k and "
+                                  "total_q, total_k >= 1");
+    }
+    p.cu_seqlens_q = reinterpret_cast<const int*>(cu_seqlens_q);
+    p.cu_seqlens_k = reinterpret_cast<const int*>(cu_seqlens_k);
+    p.total_q = total_q;
+    p.total_k = total_k;
+  }
   check_launch(info.launch(p, reinterpret_cast<cudaStream_t>(stream)), name);
 }
 
@@ -207,7 +222,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("lse"), py::arg("batch"), py::arg("heads_q"), py::arg("heads_kv"),
         py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"), py::arg("q_strides"),
         py::arg("k_strides"), py::arg("v_strides"), py::arg("o_strides"), py::arg("scale"),
-        py::arg("causal"), py::arg("stream"));
+        py::arg("causal"), py::arg("stream"), py::arg("cu_seqlens_q") = 0,
+        py::arg("cu_seqlens_k") = 0, py::arg("total_q") = 0, py::arg("total_k") = 0);
   m.def("bwd", &bwd, py::arg("name"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
         py::arg("lse"), py::arg("dout"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
         py::arg("dq_accum"), py::arg("dsum"), py::arg("batch"), py::arg("heads_q"),

@@ -75,15 +75,46 @@ def test_attention_features_default_to_the_triton_family_on_a_gpu(features):
     builds its block mask on every call); plain problems keep SDPA's own choice, CPU tensors
     and Volta keep their orders."""
     reg = {**_registered(), "triton": _StandInTriton()}
+    del reg["spark"]  # (its stand-in runs anything; the real one refuses these features)
     p = problem(dtype="bfloat16", heads_q=16, heads_kv=16, head_dim=128, causal=True, **features)
     sel = _resolve.heuristic_default(p, HOPPER, registered=reg)
     assert sel.candidate.backend == "triton" and sel.source == "default", sel
-    assert "Triton family comes first" in sel.detail
+    if p.varlen:  # the Hopper forward comes first there, and cannot run here
+        assert "the Hopper forward first, then the Triton family" in sel.detail
+        assert _resolve.default_order(HOPPER, p) == _resolve.HOPPER_VARLEN_FWD_ORDER
+        p = dataclasses.replace(p, op="bwd")
+    assert "Triton family" in _resolve.heuristic_default(p, HOPPER, registered=reg).detail
     assert _resolve.default_order(HOPPER, p) == _resolve.FEATURE_DEFAULT_ORDER
     assert _resolve.default_order(VOLTA, p) == _resolve.VOLTA_DEFAULT_ORDER
     assert _resolve.default_order(None, p) == _resolve.DEFAULT_ORDER
     plain = problem(dtype="bfloat16", heads_q=16, heads_kv=16, head_dim=128, causal=True)
     assert _resolve.heuristic_default(plain, HOPPER, registered=reg).candidate == Candidate("torch", AUTO)
+
+
+class _StandInHopperForward(ReferenceBackend):
+    """Stands in for the spark backend on an H200: its family 90 forward runs packed sequences
+    (and nothing else with features); its backward does not."""
+
+    name = "spark"
+    features = frozenset({"deterministic", "varlen"})
+
+    def not_supported_reasons(self, problem, config=None, device=None):
+        if device is None:
+            return ["needs CUDA"]
+        return ["no packed-sequence backward"] if problem.varlen and problem.op == "bwd" else []
+
+
+def test_packed_sequences_forward_on_hopper_defaults_to_the_hopper_family():
+    reg = {**_registered(), "triton": _StandInTriton(), "spark": _StandInHopperForward()}
+    varlen = dict(varlen=True, batch=8, seqlen_q=2048, seqlen_k=2048, total_q=16384, total_k=16384)
+    p = problem(dtype="bfloat16", heads_q=16, heads_kv=16, head_dim=128, causal=True, **varlen)
+    sel = _resolve.heuristic_default(p, HOPPER, registered=reg)
+    assert sel.candidate.backend == "spark" and "the Hopper forward first" in sel.detail, sel
+    # its backward, another feature with it, or another GPU: the Triton family
+    for other, device in ((dataclasses.replace(p, op="bwd"), HOPPER),
+                          (dataclasses.replace(p, window_left=256), HOPPER),
+                          (p, dataclasses.replace(HOPPER, capability=(8, 0)))):
+        assert _resolve.heuristic_default(other, device, registered=reg).candidate.backend == "triton"
 
 
 @pytest.fixture

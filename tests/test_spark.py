@@ -108,6 +108,24 @@ def test_one_kernel_of_each_atom_compiles_for_sm80(tmp_path):
 
 
 # ---------------------------------------------------------------- CPU: capabilities
+def test_packed_problems_run_on_the_hopper_forward_only():
+    """varlen is declared by the backend, and each kernel says whether it runs it: the family 90
+    forward does; the other families and every backward refuse with the reason."""
+    import dataclasses
+
+    b = SparkBackend()
+    assert "varlen" in b.features
+    p = Problem("fwd", "bfloat16", 8, 16, 16, 2048, 2048, 128, True, False, varlen=True,
+                total_q=16384, total_k=16384)
+    k90 = dict(dtype="bfloat16", head_dim=128, accum=32, family=90, op="fwd")
+    assert b._config_reasons(p, k90, None) == []
+    for kernel, problem in (({**k90, "family": 80}, p), ({**k90, "op": "bwd"}, dataclasses.replace(p, op="bwd"))):
+        reasons = b._config_reasons(problem, kernel, None)
+        assert any("family 90 forward only" in r for r in reasons), reasons
+    dense = dataclasses.replace(p, varlen=False, total_q=0, total_k=0)
+    assert b._config_reasons(dense, {**k90, "family": 80}, None) == []
+
+
 def test_backend_without_gpu_says_why():
     b = SparkBackend()
     p = Problem("fwd", "float16", 1, 2, 2, 16, 16, 64, False)
@@ -230,3 +248,109 @@ def test_kernel_strided_layouts_and_scale(name):
         if k["accum"] == 16:
             _check_acc16_rel(out, q, kk, v, causal, 0.3, f"{name} strided causal={causal}")
     assert torch.isnan(out_buf[..., d:]).all(), "wrote outside the output view"
+
+
+#: packed batches for the family 90 forward: (query lengths, key lengths, heads_q, heads_kv);
+#: odd lengths, an empty sequence, a sequence with queries and no key, queries past the keys
+#: and keys past the queries (causal rows that see no key), GQA 4:1 and MQA
+VARLEN_CASES = [
+    ([1, 17, 1000, 0, 4097, 128], [1, 17, 1000, 0, 4097, 128], 4, 4),
+    ([5, 300, 64, 9], [700, 3, 64, 0], 8, 2),
+    ([333, 1], [129, 2048], 3, 1),
+]
+
+
+@pytest.mark.gpu
+@needs_ext
+@pytest.mark.parametrize("name", [n for n in KERNELS if n.startswith("fwd_sm90_")])
+def test_sm90_packed_sequences_match_float64_reference(name):
+    """Every family 90 forward on packed (total, H, D) batches, each sequence against the
+    float64 reference with the 2x rule, the log-sum-exp (heads_q, total_q) included; a repeat
+    run is bit-identical; the public call with the backend forced gives the same."""
+    import sparktune
+
+    b = SparkBackend()
+    k = b.kernel_info(name)
+    dtype, d = DTYPES[k["dtype"]], k["head_dim"]
+    dev = DeviceInfo.from_torch("cuda")
+    if b.not_supported_reasons(Problem("fwd", k["dtype"], 1, 1, 1, 1, 1, d, False, True), name, dev):
+        pytest.skip(f"{name} not runnable on sm_{dev.arch}")
+    for lq, lk, hq, hk in VARLEN_CASES:
+        cu_q = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        q = torch.randn(sum(lq), hq, d, device="cuda", dtype=dtype)
+        kk = torch.randn(sum(lk), hk, d, device="cuda", dtype=dtype)
+        v = torch.randn(sum(lk), hk, d, device="cuda", dtype=dtype)
+        for causal in (False, True):
+            runs = []
+            for _ in range(2):
+                out = torch.full_like(q, float("nan"))
+                lse = b.forward(q, kk, v, out, config=name, causal=causal, scale=d**-0.5,
+                                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lq),
+                                max_seqlen_k=max(lk))
+                runs.append((out, lse))
+            torch.cuda.synchronize()
+            (out, lse), (out2, lse2) = runs
+            what = f"{name} {lq} {lk} {hq}/{hk} causal={causal}"
+            assert torch.equal(out, out2) and torch.equal(lse, lse2), f"{what}: results moved between runs"
+            assert tuple(lse.shape) == (hq, sum(lq))
+            for s in range(len(lq)):
+                q0, q1, k0, k1 = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
+                if q1 == q0:
+                    continue
+                if k1 == k0:  # no key: zeros and -inf
+                    assert torch.equal(out[q0:q1], torch.zeros_like(out[q0:q1])), what
+                    assert torch.isneginf(lse[:, q0:q1]).all(), what
+                    continue
+                view = lambda t, a, z: t[a:z].transpose(0, 1).unsqueeze(0)  # noqa: E731
+                assert_close_to_reference(view(out, q0, q1), view(q, q0, q1), view(kk, k0, k1),
+                                          view(v, k0, k1), causal=causal,
+                                          lse=lse[:, q0:q1].unsqueeze(0), what=f"{what} seq {s}")
+            api = sparktune.varlen_attention(q, kk, v, cu_q, cu_k, max(lq), max(lk), causal=causal,
+                                             backend="spark", config=name)
+            assert torch.equal(api, out), f"{what}: the public call differs"
+
+
+@pytest.mark.gpu
+@needs_ext
+def test_packed_training_call_on_hopper_matches_float64_reference():
+    """A packed causal call with gradients and no backend forced, on sm_90: dispatch runs the
+    sm90 forward (HOPPER_VARLEN_FWD_ORDER) and the Triton backward from its output and
+    log-sum-exp; out, dq, dk, dv against float64 autograd, within twice the error of the same
+    call run by the Triton family alone (plus 1e-5)."""
+    import importlib
+
+    import sparktune
+    from tests._features_oracle import varlen_oracle
+
+    _resolve = importlib.import_module("sparktune.dispatch._resolve")
+
+    dev = DeviceInfo.from_torch("cuda")
+    if dev.arch != 90 or "fwd_sm90_bf16_d128_m128n128_s2_ov1_pp0" not in KERNELS:
+        pytest.skip("needs sm_90 and fwd_sm90_bf16_d128_m128n128_s2_ov1_pp0")
+    lq, hq, hk, d = [300, 1, 1000, 0, 513], 8, 2, 128
+    cu = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    p = Problem("fwd", "bfloat16", len(lq), hq, hk, max(lq), max(lq), d, True, False, varlen=True,
+                total_q=sum(lq), total_k=sum(lq))
+    assert _resolve.default_order(dev, p) == _resolve.HOPPER_VARLEN_FWD_ORDER
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(sum(lq), h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for h in (hq, hk, hk))
+    dout = torch.randn(sum(lq), hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def run(backend):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = sparktune.varlen_attention(*leaves, cu, cu, max(lq), max(lq), causal=True,
+                                         backend=backend)
+        out.backward(dout)
+        return [out.detach(), *(t.grad for t in leaves)]
+
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = varlen_oracle(*leaves, cu.cpu(), cu.cpu(), causal=True)
+    ref_out.backward(dout.cpu().double())
+    ref = [ref_out.detach(), *(t.grad for t in leaves)]
+    ours, triton = run(None), run("triton")
+    for name, a, t, r in zip(("out", "dq", "dk", "dv"), ours, triton, ref, strict=True):
+        err = float((a.cpu().double() - r).abs().max())
+        base = float((t.cpu().double() - r).abs().max())
+        assert err <= 2 * base + 1e-5, f"{name}: error {err:.3g} > 2 x {base:.3g} (Triton alone)"

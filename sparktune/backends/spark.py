@@ -71,10 +71,12 @@ def _device_index_for(device: DeviceInfo) -> int | None:
 
 class SparkBackend(Backend):
     name = "spark"
-    #: docs/FEATURES.md: only "deterministic" (a backward problem's: the backward of family 90
-    #: adds dQ in a fixed order when asked; the other families' backward kernels are refused).
-    #: Configurations listed in kernel_space.UNVERIFIED run only when forced by name.
-    features = frozenset({"deterministic"})
+    #: docs/FEATURES.md: "deterministic" (a backward problem's: the backward of family 90
+    #: adds dQ in a fixed order when asked; the other families' backward kernels are refused)
+    #: and "varlen" (packed sequences: the family 90 forward only; the backward of such a call
+    #: runs on a backend that has one). Configurations listed in kernel_space.UNVERIFIED run
+    #: only when forced by name.
+    features = frozenset({"deterministic", "varlen"})
 
     # The heuristic defaults (kernel_space.py says what each was measured on): per (family,
     # head_dim) the (block_m, block_n, warps_m, warps_n) of the forward and of the backward, and
@@ -129,6 +131,11 @@ class SparkBackend(Backend):
             reasons.append(
                 "adds dQ with float atomics in no fixed order: gradients not bitwise reproducible "
                 "(deterministic=True needs a family 90 backward, bwd_sm90_*)"
+            )
+        if getattr(problem, "varlen", False) and (problem.op != "fwd" or k["family"] != 90):
+            reasons.append(
+                "packed sequences (varlen) run on the family 90 forward only (fwd_sm90_*, sm_90); "
+                f"this is a family {k['family']} {k['op']} kernel"
             )
         if device is not None:
             archs = k.get("archs") or (self.build_info() or {}).get("archs", [])
@@ -236,24 +243,57 @@ class SparkBackend(Backend):
         causal: bool,
         scale: float,
         need_lse: bool = True,
+        cu_seqlens_q: torch.Tensor | None = None,
+        cu_seqlens_k: torch.Tensor | None = None,
+        max_seqlen_q: int | None = None,
+        max_seqlen_k: int | None = None,
+        **features: object,
     ) -> torch.Tensor | None:
+        """The forward into ``out``; returns the log-sum-exp. Packed sequences (``cu_seqlens_*``
+        given): q, k, v, out are (total, heads, head_dim), the log-sum-exp (heads_q, total_q),
+        family 90 kernels only. No other feature is run here (dispatch never sends one)."""
         import torch
 
         mod, err = load_extension()
         if mod is None:
             raise RuntimeError(err)
-        b, hq, nq, d = q.shape
-        hk, nk = k.shape[1], k.shape[2]
+        if features:
+            raise ValueError(
+                f"the spark backend runs packed sequences and plain attention only, not "
+                f"{sorted(features)} (docs/FEATURES.md)"
+            )
+        packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+        if packed:
+            if cu_seqlens_q is None or cu_seqlens_k is None or max_seqlen_q is None or max_seqlen_k is None:
+                raise ValueError("packed sequences need cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k")
+            for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+                if cu.dtype != torch.int32 or cu.dim() != 1 or not cu.is_contiguous() or cu.device != q.device:
+                    raise ValueError(f"{name} must be a contiguous 1-d int32 tensor on {q.device}")
+            if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.shape[0] < 2:
+                raise ValueError("cu_seqlens_q and cu_seqlens_k must both hold batch + 1 >= 2 entries")
+            if not config.startswith("fwd_sm90_"):
+                raise ValueError(f"{config}: packed sequences run on the family 90 forward only (fwd_sm90_*)")
+            total_q, hq, d = q.shape
+            total_k, hk = k.shape[0], k.shape[1]
+            b, nq, nk = cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k)
+            # (batch, head, row) strides; the batch stride is a stand-in the kernel never steps
+            views = [(t.shape[0] * t.stride(0), t.stride(1), t.stride(0)) for t in (q, k, v, out)]
+        else:
+            b, hq, nq, d = q.shape
+            hk, nk = k.shape[1], k.shape[2]
+            views = [t.stride()[:3] for t in (q, k, v, out)]
         ptrs, strides = [], []
-        for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-            ptr, st = t.data_ptr(), t.stride()
+        for name, t, st in zip(("q", "k", "v", "out"), (q, k, v, out), views, strict=True):
+            ptr = t.data_ptr()
+            if t.stride(-1) != 1:
+                raise ValueError(f"spark kernels need {name}'s last dimension contiguous (strides {tuple(t.stride())})")
             if ptr % 16 or _rows_misaligned(st):
                 raise ValueError(
                     f"spark kernels need 16-byte aligned rows: {name}'s data pointer and its batch, "
                     f"head and row strides must be multiples of 8 elements (strides {tuple(st)})"
                 )
             ptrs.append(ptr)
-            strides.append(st[:3])
+            strides.append(tuple(st))
         if _tma_refuses(config, strides):
             raise ValueError(
                 f"{config} reads through TMA descriptors, which need positive batch, head and row "
@@ -262,7 +302,7 @@ class SparkBackend(Backend):
             )
         device = q.device
         # the kernel always writes the log-sum-exp, so it needs the buffer even without need_lse
-        lse = torch.empty((b, hq, nq), device=device, dtype=torch.float32)
+        lse = torch.empty((hq, total_q) if packed else (b, hq, nq), device=device, dtype=torch.float32)
         raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         stream = (
             raw_stream(device.index)
@@ -275,6 +315,8 @@ class SparkBackend(Backend):
             config, *ptrs, lse.data_ptr(), b, hq, hk, nq, nk, d, *strides,
             float(scale), bool(causal), stream,
         )
+        if packed:
+            args = (*args, cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), total_q, total_k)
         if device.index == torch.cuda.current_device():
             mod.fwd(*args)
         else:  # launch on the tensors' device (its stream, its attributes)

@@ -63,6 +63,11 @@ CPU_DECODE_DEFAULT_ORDER = ("triton", "reference", "torch")
 FEATURE_DEFAULT_ORDER = ("triton", "torch", "spark", "reference")
 #: the Problem.features that take FEATURE_DEFAULT_ORDER
 _TRITON_FIRST_FEATURES = frozenset({"window", "softcap", "alibi", "dropout", "varlen"})
+#: the forward of packed sequences with no other feature on a Hopper GPU: the family 90 forward
+#: runs them (one TMA view of the packed rows, each sequence's tiles offset into it), then the
+#: order above (bench/varlen.py on an H200 says by how much; BENCHMARKS.md)
+HOPPER_VARLEN_FWD_ORDER = ("spark", "triton", "torch", "reference")
+_HOPPER_VARLEN_FEATURES = frozenset({"varlen", "deterministic"})
 #: the first architecture where SDPA's own choice is the default
 SDPA_DEFAULT_MIN_ARCH = 80
 #: a record serves shapes whose seqlen_q and seqlen_k are each within this many octaves
@@ -178,7 +183,8 @@ def heuristic_default(
     backend's default config (the torch backend's is SDPA's own choice on a GPU)."""
     all_reasons: dict[str, list[str]] = {}
     registered = backends() if registered is None else registered
-    preferred = default_order(device, problem)
+    kind = _default_kind(device, problem)
+    preferred = _order(kind)
     order = [n for n in preferred if n in registered] + [n for n in registered if n not in preferred]
     for name in order:
         b = registered[name]
@@ -195,9 +201,14 @@ def heuristic_default(
             continue
         if problem.op == "decode":
             why = "the decode default order (docs/DECODING.md): no record reaches this shape"
-        elif preferred is VOLTA_DEFAULT_ORDER:
+        elif kind == "volta":
             why = "before sm_80 sparktune's kernels come first (SDPA has no flash path there)"
-        elif preferred is FEATURE_DEFAULT_ORDER:
+        elif kind == "hopper-varlen":
+            why = (
+                "packed sequences on sm_90: the Hopper forward first, then the Triton family: no "
+                "record reaches this shape"
+            )
+        elif kind == "features":
             why = "with attention features the Triton family comes first: no record reaches this shape"
         else:
             why = "PyTorch SDPA's own choice comes first: no record reaches this shape"
@@ -205,15 +216,39 @@ def heuristic_default(
     raise NoKernelError(f"no backend can run {problem}:\n" + _reasons_text(all_reasons))
 
 
+def _default_kind(device: DeviceInfo | None, problem: Problem | None) -> str:
+    """Which of the default orders applies (orders with equal contents are told apart here)."""
+    if problem is not None and problem.op == "decode":
+        return "cpu-decode" if device is None else "decode"
+    if device is not None and device.arch < SDPA_DEFAULT_MIN_ARCH:
+        return "volta"
+    if device is not None and problem is not None and problem.features & _TRITON_FIRST_FEATURES:
+        if (
+            device.arch == 90
+            and problem.op == "fwd"
+            and "varlen" in problem.features
+            and problem.features <= _HOPPER_VARLEN_FEATURES
+        ):
+            return "hopper-varlen"
+        return "features"
+    return "plain"
+
+
+#: kind -> the name of its order in this module (read at each call: tests replace them)
+_ORDERS = {
+    "cpu-decode": "CPU_DECODE_DEFAULT_ORDER", "decode": "DECODE_DEFAULT_ORDER",
+    "volta": "VOLTA_DEFAULT_ORDER", "hopper-varlen": "HOPPER_VARLEN_FWD_ORDER",
+    "features": "FEATURE_DEFAULT_ORDER", "plain": "DEFAULT_ORDER",
+}  # fmt: skip
+
+
+def _order(kind: str) -> tuple[str, ...]:
+    return globals()[_ORDERS[kind]]
+
+
 def default_order(device: DeviceInfo | None, problem: Problem | None = None) -> tuple[str, ...]:
     """The backends' order of preference for a problem no record reaches on ``device``."""
-    if problem is not None and problem.op == "decode":
-        return CPU_DECODE_DEFAULT_ORDER if device is None else DECODE_DEFAULT_ORDER
-    if device is not None and device.arch < SDPA_DEFAULT_MIN_ARCH:
-        return VOLTA_DEFAULT_ORDER
-    if device is not None and problem is not None and problem.features & _TRITON_FIRST_FEATURES:
-        return FEATURE_DEFAULT_ORDER
-    return DEFAULT_ORDER
+    return _order(_default_kind(device, problem))
 
 
 def _shape_text(p: Problem) -> str:

@@ -29,6 +29,20 @@ struct FwdParams {
   float scale = 1.f;       // softmax scale applied to q.k
   float scale_log2 = 1.f;  // scale * log2(e): the kernels work in base 2
   bool causal = false;     // bottom-right aligned: row i sees col j iff j <= i + seqlen_k - seqlen_q
+
+  // Packed sequences (the family 90 forward only; null elsewhere): sequence b is rows
+  // cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q, o and cu_seqlens_k[b] .. of k, v, each a
+  // (total, heads, head_dim) tensor (batch strides unused); batch is the number of sequences,
+  // seqlen_q/seqlen_k their maximum lengths, and lse is (heads_q, total_q).
+  const int* cu_seqlens_q = nullptr;
+  const int* cu_seqlens_k = nullptr;
+  int total_q = 0;
+  int total_k = 0;
+
+  // The family 90 forward's tile order (set by its launch): > 0, the (head, batch) pairs in
+  // sections of this many (the query heads of whole kv heads, whose K and V stay in L2
+  // together), each section's row blocks heaviest first; 0, the grid's order.
+  int tile_section = 0;
 };
 
 // The backward kernels read the forward's inputs, output and log-sum-exp (the FwdParams part)

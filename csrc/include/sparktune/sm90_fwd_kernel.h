@@ -135,10 +135,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       (reinterpret_cast<uintptr_t>(smem_raw) + Traits::kSmemAlign - 1) &
       ~uintptr_t(Traits::kSmemAlign - 1))};
 
-  // Tiles: (row block, head, batch). Without kPersistent a block runs the tile of its grid
-  // coordinates; with it, block b of the 1-D grid runs tiles b, b + gridDim.x, ... of the list
-  // below. Either way the last row blocks, which see the most keys under a causal mask, come
-  // first.
+  // Tiles: (row block, head, batch). The sectioned order (p.tile_section > 0): the (head,
+  // batch) pairs in sections of p.tile_section (whose K and V fit in L2 together), each
+  // section's tiles by row block, the last first, so that under a causal mask the heaviest
+  // tiles of a section start first and the light ones fill the end. Without kPersistent a block
+  // runs the tile of its place in launch order (x fastest) in that order, or of its grid
+  // coordinates (row blocks reversed) when p.tile_section is 0; with it, block b of the 1-D
+  // grid runs tiles b, b + gridDim.x, ... of the sectioned order.
   const int num_m_blocks = ceil_div(p.seqlen_q, kBlockM);
   const int num_tiles = Traits::kPersistent ? num_m_blocks * p.heads_q * p.batch : 1;
   const int first_tile = Traits::kPersistent ? int(blockIdx.x) : 0;
@@ -146,16 +149,41 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   struct Tile {
     int m_block, head, batch;
   };
+  auto sectioned = [&](const int t) {  // tile t of the sectioned, heaviest-first order
+    const int hb = p.heads_q * p.batch;
+    const int section = p.tile_section > 0 && p.tile_section < hb ? p.tile_section : hb;
+    const int per_section = num_m_blocks * section;
+    const int s = t / per_section;
+    const int local = t - s * per_section;
+    const int width = min(section, hb - s * section);  // the last section may be narrower
+    const int pair = s * section + local % width;
+    return Tile{num_m_blocks - 1 - local / width, pair % p.heads_q, pair / p.heads_q};
+  };
   auto tile_at = [&](const int t) {
     if constexpr (Traits::kPersistent) {
-      const int hb = p.heads_q * p.batch;
-      const int rest = t % hb;
-      return Tile{num_m_blocks - 1 - t / hb, rest % p.heads_q, rest / p.heads_q};
+      return sectioned(t);
     } else {
+      if (p.tile_section > 0) {  // the blocks in launch order (x fastest), renumbered
+        const int y = int(blockIdx.y) + int(gridDim.y) * int(blockIdx.z);
+        return sectioned(int(blockIdx.x) + int(gridDim.x) * y);
+      }
       return Tile{int(gridDim.x) - 1 - int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
     }
   };
-  const int diag = p.seqlen_k - p.seqlen_q;  // causal: row i sees column j iff j <= i + diag
+  // The tile's sequence: its lengths, causal diagonal and first rows (0 unless packed, where
+  // sequence b is rows cu_seqlens[b] .. of the packed tensors; see FwdParams)
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, q_first = 0, k_first = 0;
+  int diag = seqlen_k - seqlen_q;  // causal: row i sees column j iff j <= i + diag
+  auto enter = [&](const int batch) {
+    if (varlen) {
+      q_first = p.cu_seqlens_q[batch];
+      k_first = p.cu_seqlens_k[batch];
+      seqlen_q = p.cu_seqlens_q[batch + 1] - q_first;
+      seqlen_k = p.cu_seqlens_k[batch + 1] - k_first;
+      diag = seqlen_k - seqlen_q;
+    }
+  };
   const int warpgroup = threadIdx.x / 128;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -163,9 +191,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // Key blocks a row block sees, visited last to first so that the masked ones (the key tail
   // and the causal diagonal) come first. Producer and consumers walk the same sequence.
   auto key_blocks = [&](const int row0) {
-    int n = ceil_div(p.seqlen_k, kBlockN);
+    if (row0 >= seqlen_q) return 0;  // a packed sequence shorter than the grid's rows
+    int n = ceil_div(seqlen_k, kBlockN);
     if (p.causal) {
-      const int last_col = min(p.seqlen_k - 1, row0 + kBlockM - 1 + diag);
+      const int last_col = min(seqlen_k - 1, row0 + kBlockM - 1 + diag);
       n = last_col < 0 ? 0 : min(n, last_col / kBlockN + 1);
     }
     return n;
@@ -202,18 +231,28 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (warp == 0 && lane == 0) {
       auto tile_q = Shape<Int<kBlockM>, Int<kHeadDim>>{};
       auto tile_kv = Shape<Int<kBlockN>, Int<kHeadDim>>{};
-      Tensor mQ = args.tma_q.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
-      Tensor mK = args.tma_k.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
-      Tensor mV = args.tma_v.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
+      // packed: one (total, D, heads, 1) view each, the sequence's rows reached by an offset
+      const int views = varlen ? 1 : p.batch;
+      Tensor mQ = args.tma_q.get_tma_tensor(
+          make_shape(varlen ? p.total_q : p.seqlen_q, kHeadDim, p.heads_q, views));
+      Tensor mK = args.tma_k.get_tma_tensor(
+          make_shape(varlen ? p.total_k : p.seqlen_k, kHeadDim, p.heads_kv, views));
+      Tensor mV = args.tma_v.get_tma_tensor(
+          make_shape(varlen ? p.total_k : p.seqlen_k, kHeadDim, p.heads_kv, views));
       int stage = 0, phase = 0, q_round = 0;
       for (int t = first_tile; t < num_tiles; t += tile_step) {
         const Tile tile = tile_at(t);
+        enter(tile.batch);
         const int n_blocks = key_blocks(tile.m_block * kBlockM);
         if (n_blocks == 0) continue;
         const int kv_head = tile.head / p.group;
-        Tensor gQ = local_tile(mQ(_, _, tile.head, tile.batch), tile_q, make_coord(tile.m_block, _0{}));
-        Tensor gK = local_tile(mK(_, _, kv_head, tile.batch), tile_kv, make_coord(_, _0{}));  // (BN,D,n)
-        Tensor gV = local_tile(mV(_, _, kv_head, tile.batch), tile_kv, make_coord(_, _0{}));
+        const int view = varlen ? 0 : tile.batch;
+        Tensor gQ = local_tile(domain_offset(make_coord(q_first, _0{}), mQ(_, _, tile.head, view)),
+                               tile_q, make_coord(tile.m_block, _0{}));
+        Tensor gK = local_tile(domain_offset(make_coord(k_first, _0{}), mK(_, _, kv_head, view)),
+                               tile_kv, make_coord(_, _0{}));  // (BN,D,n)
+        Tensor gV = local_tile(domain_offset(make_coord(k_first, _0{}), mV(_, _, kv_head, view)),
+                               tile_kv, make_coord(_, _0{}));
         auto [tQgQ, tQsQ] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
                                           group_modes<0, 2>(gQ));
         auto [tKgK, tKsK] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
@@ -278,6 +317,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   for (int t = first_tile; t < num_tiles; t += tile_step) {
     const Tile tile = tile_at(t);
+    enter(tile.batch);
     const int head = tile.head;
     const int batch = tile.batch;
     const int row0 = tile.m_block * kBlockM;
@@ -312,7 +352,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           CUTE_UNROLL
           for (int c = 0; c < size<1>(s_rc); ++c) {
             const int col = col0 + get<1>(c_rc(r, c));
-            if (col >= p.seqlen_k || (p.causal && col > row + diag)) s_rc(r, c) = kNegInf;
+            if (col >= seqlen_k || (p.causal && col > row + diag)) s_rc(r, c) = kNegInf;
           }
         }
       }
@@ -354,7 +394,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     };
 
     auto needs_mask = [&](int n) {
-      return (n + 1) * kBlockN > p.seqlen_k || (p.causal && (n + 1) * kBlockN - 1 > row0 + diag);
+      return (n + 1) * kBlockN > seqlen_k || (p.causal && (n + 1) * kBlockN - 1 > row0 + diag);
     };
     if constexpr (!Traits::kOverlap) {
       if (n_blocks > 0) wait_q();
@@ -391,7 +431,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           CUTE_UNROLL
           for (int c = 0; c < size<1>(s_rc); ++c) {
             const int col = col0 + get<1>(c_rc(r, c));
-            if (col >= p.seqlen_k || (p.causal && col > row + diag)) s_rc(r, c) = kNegInf;
+            if (col >= seqlen_k || (p.causal && col > row + diag)) s_rc(r, c) = kNegInf;
           }
         }
       };
@@ -493,7 +533,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
 
     // ---- epilogue: O /= rowsum, log-sum-exp, O through shared memory to global ----
-    float* lse_ptr = p.lse + (int64_t(batch) * p.heads_q + head) * p.seqlen_q;
+    float* lse_ptr = varlen ? p.lse + int64_t(head) * p.total_q + q_first
+                            : p.lse + (int64_t(batch) * p.heads_q + head) * p.seqlen_q;
     Tensor o_rc = make_tensor(acc_o.data(), sm90::rowcol_view(acc_o.layout()));
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
@@ -504,7 +545,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= inv;
       if (lane % 4 == 0) {  // the lane holding the row's first columns writes its statistic
         const int row = row0 + get<0>(c_rc(r, 0));
-        if (row < p.seqlen_q) {
+        if (row < seqlen_q) {
           lse_ptr[row] = empty ? kNegInf : (row_max[r] * scale_log2 + log2f(sum)) * sm90::kLn2;
         }
       }
@@ -518,7 +559,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cute::copy(rO, thr_o.partition_C(sO));
     cutlass::arch::NamedBarrier::sync(128, 1 + cwg);  // the warpgroup's rows are in shared memory
 
-    T* o_ptr = static_cast<T*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
+    T* o_ptr = static_cast<T*>(p.o) + (varlen ? int64_t(q_first) * p.o_row_stride : batch * p.o_batch_stride) +
+               head * p.o_head_stride;
     const int wg_row0 = row0 + cwg * 64;
     Tensor gO = make_tensor(make_gmem_ptr(o_ptr + int64_t(wg_row0) * p.o_row_stride),
                             make_shape(Int<64>{}, Int<kHeadDim>{}), make_stride(p.o_row_stride, _1{}));
@@ -530,7 +572,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     Tensor tOcO = thr_copy_o.partition_D(make_identity_tensor(Shape<Int<64>, Int<kHeadDim>>{}));
     CUTE_UNROLL
     for (int m = 0; m < size<1>(tOsO); ++m) {
-      if (wg_row0 + get<0>(tOcO(0, m, 0)) < p.seqlen_q) {
+      if (wg_row0 + get<0>(tOcO(0, m, 0)) < seqlen_q) {
         CUTE_UNROLL
         for (int k = 0; k < size<2>(tOsO); ++k) cute::copy(copy_o, tOsO(_, m, k), tOgO(_, m, k));
       }
