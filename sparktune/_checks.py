@@ -22,6 +22,7 @@ __all__ = [
     "bhnd",
     "check_cu_seqlens",
     "check_features",
+    "check_packed_boundaries",
     "check_varlen_inputs",
     "draw_seed_offset",
     "trim_window",
@@ -409,6 +410,34 @@ def cu_values(cu: torch.Tensor) -> tuple[int, ...]:
             del _CU_CACHE[next(iter(_CU_CACHE))]
         _CU_CACHE[key] = (weakref.ref(cu, forget), version, ptr, values)
     return values
+
+
+def check_packed_boundaries(
+    q: torch.Tensor, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any
+) -> tuple[int, int, int]:
+    """The packed-sequence arguments as a kernel backend takes them (all four given, the
+    boundaries contiguous 1-d int32 tensors on q's device of one length, the max lengths
+    >= 0); returns (batch, max_seqlen_q, max_seqlen_k). The values are trusted: reading them
+    would wait for the device (the API checks them once, :func:`check_cu_seqlens`)."""
+    if cu_seqlens_q is None or cu_seqlens_k is None or max_seqlen_q is None or max_seqlen_k is None:
+        raise ValueError("varlen needs cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1 or not cu.is_contiguous():
+            raise ValueError(
+                f"{name} must be a contiguous 1-d int32 tensor, got {cu.dtype} {tuple(cu.shape)}"
+            )
+        if cu.device != q.device:
+            raise ValueError(f"{name} is on {cu.device}, q on {q.device}")
+        if cu.shape[0] < 1:
+            raise ValueError(f"{name} must have batch + 1 entries")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k "
+            f"{tuple(cu_seqlens_k.shape)} must have the same length"
+        )
+    if int(max_seqlen_q) < 0 or int(max_seqlen_k) < 0:
+        raise ValueError("max_seqlen_q and max_seqlen_k must be >= 0")
+    return cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k)
 
 
 def check_cu_seqlens(

@@ -366,6 +366,28 @@ def test_varlen_feature_arguments_are_checked_too():
         sparktune.varlen_attention(**_varlen_args(), window=(-3, 1))
 
 
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        (dict(max_seqlen_k=None), r"varlen needs cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k"),
+        (dict(cu_seqlens_q=torch.tensor([0, 4, 10])), r"cu_seqlens_q must be a contiguous 1-d int32 tensor, got torch.int64"),
+        (dict(cu_seqlens_k=torch.tensor([0, 5, 12], dtype=I32, device="meta")), r"cu_seqlens_k is on meta, q on cpu"),
+        (dict(cu_seqlens_q=torch.zeros(0, dtype=I32), cu_seqlens_k=torch.zeros(0, dtype=I32)), r"cu_seqlens_q must have batch \+ 1 entries"),
+        (dict(cu_seqlens_k=torch.tensor([0, 5, 5, 12], dtype=I32)), r"cu_seqlens_q \(3,\) and cu_seqlens_k \(4,\) must have the same length"),
+        (dict(max_seqlen_q=-1), r"max_seqlen_q and max_seqlen_k must be >= 0"),
+    ],
+)
+def test_kernel_backends_check_packed_arguments_alike(changes, match):
+    """The packed-sequence arguments as the Triton and spark backends take them (one check,
+    ``_checks.check_packed_boundaries``): each bad one named."""
+    from sparktune._checks import check_packed_boundaries
+
+    good = {k: v for k, v in _varlen_args().items() if k not in ("k", "v")}
+    assert check_packed_boundaries(**good) == (2, 6, 7)
+    with pytest.raises(ValueError, match=match):
+        check_packed_boundaries(**{**good, **changes})
+
+
 def test_boundaries_are_read_once_per_tensor_and_version(monkeypatch):
     from sparktune import _checks
 

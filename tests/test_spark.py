@@ -175,16 +175,23 @@ def _run(b, name, q, k, v, causal, scale=None, layout_out=None):
     return out, lse
 
 
-@pytest.mark.gpu
-@needs_ext
-@pytest.mark.parametrize("name", KERNELS)
-def test_kernel_matches_float64_reference(name):
+def _runnable(name):
+    """(backend, kernel info, torch dtype, head dim) of a compiled kernel; skips the test where
+    the GPU cannot run it."""
     b = SparkBackend()
     k = b.kernel_info(name)
     dtype, d = DTYPES[k["dtype"]], k["head_dim"]
     dev = DeviceInfo.from_torch("cuda")
     if b.not_supported_reasons(Problem("fwd", k["dtype"], 1, 1, 1, 1, 1, d, False, True), name, dev):
         pytest.skip(f"{name} not runnable on sm_{dev.arch}")
+    return b, k, dtype, d
+
+
+@pytest.mark.gpu
+@needs_ext
+@pytest.mark.parametrize("name", KERNELS)
+def test_kernel_matches_float64_reference(name):
+    b, k, dtype, d = _runnable(name)
     factor = 2.0 if k["accum"] == 32 else ACC16_FACTOR
     results = []
     for (bs, hq, hk, nq, nk, causal) in SHAPES:
@@ -228,12 +235,7 @@ def _check_acc16_rel(out, q, k, v, causal, scale, what):
 @pytest.mark.parametrize("name", KERNELS)
 def test_kernel_strided_layouts_and_scale(name):
     """(B, N, H, D) views of a packed qkv tensor and an output slice, with a custom scale."""
-    b = SparkBackend()
-    k = b.kernel_info(name)
-    dtype, d = DTYPES[k["dtype"]], k["head_dim"]
-    dev = DeviceInfo.from_torch("cuda")
-    if b.not_supported_reasons(Problem("fwd", k["dtype"], 1, 1, 1, 1, 1, d, False, True), name, dev):
-        pytest.skip(f"{name} not runnable on sm_{dev.arch}")
+    b, k, dtype, d = _runnable(name)
     bs, n, h = 2, 333, 3
     qkv = torch.randn(bs, n, 3, h, d, device="cuda", dtype=dtype)
     q, kk, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, N, D) views, no copy
@@ -269,12 +271,7 @@ def test_sm90_packed_sequences_match_float64_reference(name):
     run is bit-identical; the public call with the backend forced gives the same."""
     import sparktune
 
-    b = SparkBackend()
-    k = b.kernel_info(name)
-    dtype, d = DTYPES[k["dtype"]], k["head_dim"]
-    dev = DeviceInfo.from_torch("cuda")
-    if b.not_supported_reasons(Problem("fwd", k["dtype"], 1, 1, 1, 1, 1, d, False, True), name, dev):
-        pytest.skip(f"{name} not runnable on sm_{dev.arch}")
+    b, k, dtype, d = _runnable(name)
     for lq, lk, hq, hk in VARLEN_CASES:
         cu_q = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
         cu_k = torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()], dtype=torch.int32, device="cuda")

@@ -264,18 +264,14 @@ class SparkBackend(Backend):
             )
         packed = cu_seqlens_q is not None or cu_seqlens_k is not None
         if packed:
-            if cu_seqlens_q is None or cu_seqlens_k is None or max_seqlen_q is None or max_seqlen_k is None:
-                raise ValueError("packed sequences need cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k")
-            for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-                if cu.dtype != torch.int32 or cu.dim() != 1 or not cu.is_contiguous() or cu.device != q.device:
-                    raise ValueError(f"{name} must be a contiguous 1-d int32 tensor on {q.device}")
-            if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.shape[0] < 2:
-                raise ValueError("cu_seqlens_q and cu_seqlens_k must both hold batch + 1 >= 2 entries")
+            from .._checks import check_packed_boundaries
+
+            b, nq, nk = check_packed_boundaries(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                max_seqlen_k)
             if not config.startswith("fwd_sm90_"):
                 raise ValueError(f"{config}: packed sequences run on the family 90 forward only (fwd_sm90_*)")
             total_q, hq, d = q.shape
             total_k, hk = k.shape[0], k.shape[1]
-            b, nq, nk = cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k)
             # (batch, head, row) strides; the batch stride is a stand-in the kernel never steps
             views = [(t.shape[0] * t.stride(0), t.stride(1), t.stride(0)) for t in (q, k, v, out)]
         else:

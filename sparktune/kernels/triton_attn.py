@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import MockTensor
 
+from .._checks import check_packed_boundaries
 from ..dropout import dropout_key, dropout_threshold
 from ..dtypes import DTYPE_NAMES
 from .triton_space import BwdConfig, Config, FwdConfig, padded_head_dim, parse_config
@@ -982,25 +983,8 @@ def _features(q, k, *, causal, window, softcap, alibi_slopes, dropout_p, seed, o
     (B, H, N, D) when cu_seqlens_q is None, else packed (total, H, D))."""
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     if varlen:
-        if cu_seqlens_q is None or cu_seqlens_k is None or max_seqlen_q is None or max_seqlen_k is None:
-            raise ValueError("varlen needs cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k")
-        # (the values are trusted, as reading them would synchronise with the device: the API
-        # checks that they start at 0, do not decrease, end at the totals and fit max_seqlen)
-        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-            if cu.dtype != torch.int32 or cu.dim() != 1 or not cu.is_contiguous():
-                raise ValueError(f"{name} must be a contiguous 1-d int32 tensor, got {cu.dtype} "
-                                 f"{tuple(cu.shape)}")
-            if cu.device != q.device:
-                raise ValueError(f"{name} is on {cu.device}, q on {q.device}")
-            if cu.shape[0] < 1:
-                raise ValueError(f"{name} must have batch + 1 entries")
-        if cu_seqlens_q.shape != cu_seqlens_k.shape:
-            raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k "
-                             f"{tuple(cu_seqlens_k.shape)} must have the same length")
-        if int(max_seqlen_q) < 0 or int(max_seqlen_k) < 0:
-            raise ValueError("max_seqlen_q and max_seqlen_k must be >= 0")
-        batch = cu_seqlens_q.shape[0] - 1
-        nq, nk = int(max_seqlen_q), int(max_seqlen_k)
+        batch, nq, nk = check_packed_boundaries(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                max_seqlen_k)
     else:
         batch, nq, nk = q.shape[0], q.shape[2], k.shape[2]
     heads_q = q.shape[1]
