@@ -239,52 +239,6 @@ def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << max(0, n - 1).bit_length())
 
 
-class _Launch:
-    """One kernel launch of a plan: ``fn[grid](*tensors, *scalars, **kw)``, the tensors the
-    call's own. The first launch goes through Triton's ``JITFunction.run`` (binding the
-    arguments, the specialisation key, compiling or finding the kernel); later ones call the
-    compiled kernel's launcher directly with the same argument list, while every tensor keeps
-    the 16-byte alignment the kernel was specialised for (the scalars are the plan's and do not
-    change), no launch hook is set (profilers) and the current device is the plan's. Anything
-    else, and Triton's interpreter, takes the first path again."""
-
-    __slots__ = ("fn", "grid", "scalars", "kw", "tail", "compiled", "aligned", "device")
-
-    def __init__(self, fn, grid, scalars, kw, device: torch.device) -> None:
-        self.fn, self.grid, self.scalars, self.kw = fn, tuple(grid), tuple(scalars), kw
-        # the constexpr parameters' values, in the order of the kernel's parameters after the
-        # positional ones (what Triton's binder would hand the launcher)
-        names = list(getattr(fn, "arg_names", ()))
-        consts = [n for n in names if n in kw]
-        self.tail = tuple(kw[n] for n in consts) if names and names[len(names) - len(consts):] == consts else None
-        self.compiled = None
-        self.aligned = None
-        self.device = device.index if device.type == "cuda" else None
-
-    def __call__(self, *tensors) -> None:
-        c = self.compiled
-        if c is not None:
-            from triton import knobs
-
-            hooks = knobs.runtime
-            aligned = tuple(t.data_ptr() % 16 == 0 for t in tensors)
-            if (aligned == self.aligned and hooks.launch_enter_hook is None
-                    and hooks.launch_exit_hook is None
-                    and torch.cuda.current_device() == self.device):
-                g = self.grid
-                stream = torch._C._cuda_getCurrentRawStream(self.device)
-                c.run(g[0], g[1], g[2], stream, c.function, c.packed_metadata, None, None, None,
-                      *tensors, *self.scalars, *self.tail)
-                return
-        k = self.fn[self.grid](*tensors, *self.scalars, **self.kw)
-        if (c is None and not INTERPRET and self.tail is not None and self.device is not None
-                and len(tensors) + len(self.scalars) + len(self.tail) == len(self.fn.arg_names)
-                and hasattr(k, "packed_metadata") and hasattr(k, "function")
-                and hasattr(torch._C, "_cuda_getCurrentRawStream")):
-            self.compiled = k
-            self.aligned = tuple(t.data_ptr() % 16 == 0 for t in tensors)
-
-
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -309,7 +263,7 @@ class DecodeLauncher:
 
     __slots__ = ("batch", "nq", "hq", "splits", "block_m", "block_d", "append", "decode",
                  "decode_kw", "combine", "combine_kw", "opart_size", "lpart_size", "has_table",
-                 "has_bidx", "has_slopes", "appends", "dev", "launches")
+                 "has_bidx", "has_slopes", "appends", "dev")
 
     def __init__(self, inp, config: str | None = None) -> None:
         key = inp.key
@@ -374,15 +328,6 @@ class DecodeLauncher:
                                    BLOCK_S=_pow2(splits, 2), BLOCK_DC=block_dc, num_warps=4)
         else:
             self.combine = self.combine_kw = None
-        append = None
-        if self.append is not None:
-            grid, scalars, kw = self.append
-            append = _Launch(_append_kernel, grid, scalars, kw, dev)
-        grid, scalars = self.decode
-        combine = None
-        if self.combine is not None:
-            combine = _Launch(_combine_kernel, self.combine[0], self.combine[1], self.combine_kw, dev)
-        self.launches = (append, _Launch(_decode_kernel, grid, scalars, self.decode_kw, dev), combine)
 
     def run(self, inp, seqlens: torch.Tensor, return_lse: bool = False):
         """Launch on a call of this signature (``seqlens``: its int32 lengths on the device)."""
@@ -390,9 +335,10 @@ class DecodeLauncher:
         dev = self.dev
         table = inp.block_table if self.has_table else seqlens
         bidx = inp.cache_batch_idx if self.has_bidx else seqlens
-        append, decode, combine = self.launches
-        if append is not None:
-            append(inp.k, inp.v, inp.k_cache, inp.v_cache, seqlens, table, bidx)
+        if self.append is not None:
+            grid, scalars, kw = self.append
+            _append_kernel[grid](inp.k, inp.v, inp.k_cache, inp.v_cache, seqlens, table, bidx,
+                                 *scalars, **kw)
         out = torch.empty(q.shape, dtype=q.dtype, device=dev)
         lse = torch.empty(self.batch, self.hq, self.nq, dtype=torch.float32, device=dev)
         if self.combine is not None:
@@ -400,10 +346,13 @@ class DecodeLauncher:
             lpart = torch.empty(self.lpart_size, dtype=torch.float32, device=dev)
         else:
             opart = lpart = lse
-        decode(q, inp.k_cache, inp.v_cache, seqlens, table, bidx,
-               inp.alibi_slopes if self.has_slopes else lse, out, lse, opart, lpart)
-        if combine is not None:
-            combine(opart, lpart, out, lse)
+        grid, scalars = self.decode
+        _decode_kernel[grid](q, inp.k_cache, inp.v_cache, seqlens, table, bidx,
+                             inp.alibi_slopes if self.has_slopes else lse, out, lse, opart, lpart,
+                             *scalars, **self.decode_kw)
+        if self.combine is not None:
+            grid, scalars = self.combine
+            _combine_kernel[grid](opart, lpart, out, lse, *scalars, **self.combine_kw)
         return (out, lse) if return_lse else out
 
 
