@@ -217,8 +217,10 @@ def test_interp_tuner_checks_and_stores_triton_decode_candidates(request, tmp_pa
 
 
 #: Python calls of a repeated call on the Triton path at most (measured: 15 with a tensor of
-#: lengths, 16 with an int, 17 with appends; bench/decode_host_overhead.py prints them)
-MAX_HIT_PYTHON_CALLS = 20
+#: lengths, 16 with an int, 17 with appends, bench/decode_host_overhead.py prints them; then one
+#: more per launch, 18-20: the plan's launch object, which on a GPU calls the compiled kernel
+#: past Triton's JITFunction.run)
+MAX_HIT_PYTHON_CALLS = 23
 #: never on a repeated call: the checks, the choice, a Problem, a launcher or dispatch made again
 HIT_FORBIDDEN = {"check_kvcache", "choose_decode", "decode_problem", "__post_init__", "select",
                  "_resolve", "check_values", "_config", "splits_for"}
@@ -260,3 +262,121 @@ def test_interp_repeated_call_host_work(request, monkeypatch):
     assert len(launched) == 3  # append, split-KV, combine
     assert len(names) <= MAX_HIT_PYTHON_CALLS, names
     assert not HIT_FORBIDDEN & set(names), names
+
+
+class _FakeCompiled:
+    """What a first JIT launch returns, as far as the direct launch reads it."""
+
+    function = "fn-handle"
+    packed_metadata = "meta"
+
+    def __init__(self, runs):
+        self.runs = runs
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class _FakeJit:
+    """A JITFunction stand-in: ``fn[grid](*args, **kw)`` records a JIT launch."""
+
+    arg_names = ["A", "B", "n", "x", "BLOCK", "FLAG"]
+
+    def __init__(self):
+        self.jit, self.runs = [], []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.jit.append((grid, args, kw))
+            return _FakeCompiled(self.runs)
+
+        return launch
+
+
+def test_direct_launch_engages_only_when_safe(monkeypatch):
+    """The plan's launch object calls the compiled kernel's launcher after the first (JIT)
+    launch with JITFunction.run's argument list (tensors, scalars, constexprs in parameter
+    order, no launch metadata or hooks), and goes back to the JIT path when a launch hook is
+    set (None or a non-empty HookChain), a tensor's alignment changes, the device differs or
+    DIRECT_LAUNCH is off."""
+    from triton import knobs
+
+    from sparktune.kernels import triton_decode as td
+
+    monkeypatch.setattr(td, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1234, raising=False)
+    fn = _FakeJit()
+    launch = td._Launch(fn, (3, 2), (7, 0.5), {"BLOCK": 64, "FLAG": True, "num_warps": 4},
+                        torch.device("cuda", 0))
+    a, b = torch.zeros(64), torch.zeros(64)
+    launch(a, b)
+    assert len(fn.jit) == 1 and fn.runs == [] and launch.direct == 0
+    launch(a, b)
+    assert len(fn.jit) == 1 and launch.direct == 1
+    assert fn.runs[-1] == (3, 2, 1, 1234, "fn-handle", "meta", None, None, None, a, b, 7, 0.5, 64, True)
+    # a view 4 bytes off: the kernel was specialised on 16-byte alignment
+    launch(a[1:], b)
+    assert len(fn.jit) == 2 and launch.direct == 1
+    # a profiler's hook (Triton 3.6: a HookChain with a function in it)
+    hook = lambda *args: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        launch(a, b)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(fn.jit) == 3 and launch.direct == 1
+    assert td._hook_idle(None) and td._hook_idle(knobs.runtime.launch_exit_hook)
+    assert not td._hook_idle(hook)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    launch(a, b)
+    assert len(fn.jit) == 4 and launch.direct == 1
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(td, "DIRECT_LAUNCH", False)
+    launch(a, b)
+    assert len(fn.jit) == 5 and launch.direct == 1
+    monkeypatch.setattr(td, "DIRECT_LAUNCH", True)
+    launch(a, b)
+    assert len(fn.jit) == 5 and launch.direct == 2
+    # constexprs that are not the last parameters: never direct
+    odd = td._Launch(fn, (1,), (7,), {"n": 3, "BLOCK": 64}, torch.device("cuda", 0))
+    assert odd.tail is None
+    odd(a, b)
+    odd(a, b)
+    assert odd.direct == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_direct_launch_gives_the_jit_paths_bits():
+    """On the GPU: later calls of a plan launch directly (counted), and give the same bits as
+    the JIT path (DIRECT_LAUNCH off) for contiguous, paged, appending and ALiBi calls."""
+    import sparktune
+    from sparktune import _kvcache
+    from sparktune.kernels import triton_decode as td
+
+    for kw in ({}, {"page_size": 16}, {"appends": 2, "page_size": 16}, {"alibi": True}):
+        outs = {}
+        for direct in (False, True):
+            td.DIRECT_LAUNCH = direct
+            try:
+                _kvcache._plans.clear()
+                opts = {k: v for k, v in kw.items() if k != "alibi"}
+                case = make_case(dtype=torch.bfloat16, seed=3, seqlens=(700, 33, 2000), capacity=2048,
+                                 hq=8, hkv=2, d=128, **opts)
+                args, call_kw = case.call_args(device="cuda")
+                if kw.get("alibi"):
+                    call_kw["alibi_slopes"] = torch.linspace(0.05, 0.6, 8, device="cuda")
+                call_kw.update(backend="triton", return_lse=True)
+                res = [sparktune.attention_with_kvcache(*args, **call_kw) for _ in range(4)]
+                caches = (args[1].clone(), args[2].clone())
+                torch.cuda.synchronize()
+            finally:
+                td.DIRECT_LAUNCH = True
+            (plan,) = _kvcache._plans.values()
+            used = [x for x in plan.launcher.launches if x is not None]
+            assert sum(x.direct for x in used) == (3 * len(used) if direct else 0), (kw, direct)
+            outs[direct] = (res, caches)
+        for (o0, l0), (o1, l1) in zip(outs[False][0], outs[True][0]):
+            assert torch.equal(o0, o1) and torch.equal(l0, l1), kw
+        assert all(torch.equal(x, y) for x, y in zip(outs[False][1], outs[True][1])), kw

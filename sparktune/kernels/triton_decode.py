@@ -239,6 +239,78 @@ def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << max(0, n - 1).bit_length())
 
 
+#: whether a plan's later launches may call the compiled kernel directly (see :class:`_Launch`);
+#: False sends every launch through ``JITFunction.run`` (the GPU test compares the two)
+DIRECT_LAUNCH = True
+
+
+def _hook_idle(hook) -> bool:
+    """True when a Triton launch hook is unset: ``None`` (older releases) or a ``HookChain``
+    with no function in it (Triton 3.6: the knob is a chain object, never ``None``)."""
+    if hook is None:
+        return True
+    calls = getattr(hook, "calls", None)
+    return isinstance(calls, list) and not calls
+
+
+class _Launch:
+    """One kernel launch of a plan: ``fn[grid](*tensors, *scalars, **kw)``, with the call's
+    own tensors. The first launch goes through Triton's ``JITFunction.run`` (binding the
+    arguments, the specialisation key, compiling or finding the kernel) and keeps the
+    ``CompiledKernel`` it returns; later launches call that kernel's launcher with the argument
+    list ``JITFunction.run`` would build (the tensors, the plan's scalars, the compile-time
+    constants in parameter order) while
+
+    - every tensor has the 16-byte alignment of the first launch (Triton specialises on it; the
+      scalars are the plan's and never change),
+    - no launch hook is set (profilers such as Proton install one) and
+    - the current device is the plan's.
+
+    Anything else, Triton's interpreter, or a Triton whose objects do not look as expected,
+    takes ``JITFunction.run`` again. ``direct`` counts the direct launches (the GPU test checks
+    that they happen and that they give the JIT path's bits)."""
+
+    __slots__ = ("fn", "grid", "grid3", "scalars", "kw", "tail", "compiled", "aligned", "device",
+                 "direct")
+
+    def __init__(self, fn, grid, scalars, kw, device: torch.device) -> None:
+        self.fn, self.grid, self.scalars, self.kw = fn, tuple(grid), tuple(scalars), kw
+        self.grid3 = (*self.grid, 1, 1)[:3]  # the launcher takes x, y and z
+        # the constexpr parameters' values, when they are the kernel's last parameters in the
+        # order of its signature (what Triton's binder hands the launcher after the others)
+        names = list(getattr(fn, "arg_names", ()) or ())
+        consts = [n for n in names if n in kw]
+        tail_ok = bool(names) and names[len(names) - len(consts):] == consts
+        self.tail = tuple(kw[n] for n in consts) if tail_ok else None
+        self.compiled = None
+        self.aligned: tuple[bool, ...] | None = None
+        self.device = device.index if device.type == "cuda" else None
+        self.direct = 0
+
+    def __call__(self, *tensors) -> None:
+        c = self.compiled
+        if c is not None and DIRECT_LAUNCH:
+            from triton import knobs
+
+            rt = knobs.runtime
+            if (_hook_idle(rt.launch_enter_hook) and _hook_idle(rt.launch_exit_hook)
+                    and tuple(t.data_ptr() % 16 == 0 for t in tensors) == self.aligned
+                    and torch.cuda.current_device() == self.device):
+                g = self.grid3
+                c.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(self.device),
+                      c.function, c.packed_metadata, None, None, None,
+                      *tensors, *self.scalars, *self.tail)
+                self.direct += 1
+                return
+        k = self.fn[self.grid](*tensors, *self.scalars, **self.kw)
+        if (c is None and not INTERPRET and self.tail is not None and self.device is not None
+                and len(tensors) + len(self.scalars) + len(self.tail) == len(self.fn.arg_names)
+                and all(hasattr(k, a) for a in ("run", "function", "packed_metadata"))
+                and hasattr(torch._C, "_cuda_getCurrentRawStream")):
+            self.compiled = k
+            self.aligned = tuple(t.data_ptr() % 16 == 0 for t in tensors)
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -263,7 +335,7 @@ class DecodeLauncher:
 
     __slots__ = ("batch", "nq", "hq", "splits", "block_m", "block_d", "append", "decode",
                  "decode_kw", "combine", "combine_kw", "opart_size", "lpart_size", "has_table",
-                 "has_bidx", "has_slopes", "appends", "dev")
+                 "has_bidx", "has_slopes", "appends", "dev", "launches")
 
     def __init__(self, inp, config: str | None = None) -> None:
         key = inp.key
@@ -328,6 +400,14 @@ class DecodeLauncher:
                                    BLOCK_S=_pow2(splits, 2), BLOCK_DC=block_dc, num_warps=4)
         else:
             self.combine = self.combine_kw = None
+        append = combine = None
+        if self.append is not None:
+            grid, scalars, kw = self.append
+            append = _Launch(_append_kernel, grid, scalars, kw, dev)
+        if self.combine is not None:
+            combine = _Launch(_combine_kernel, self.combine[0], self.combine[1], self.combine_kw, dev)
+        decode = _Launch(_decode_kernel, self.decode[0], self.decode[1], self.decode_kw, dev)
+        self.launches = (append, decode, combine)
 
     def run(self, inp, seqlens: torch.Tensor, return_lse: bool = False):
         """Launch on a call of this signature (``seqlens``: its int32 lengths on the device)."""
@@ -335,24 +415,20 @@ class DecodeLauncher:
         dev = self.dev
         table = inp.block_table if self.has_table else seqlens
         bidx = inp.cache_batch_idx if self.has_bidx else seqlens
-        if self.append is not None:
-            grid, scalars, kw = self.append
-            _append_kernel[grid](inp.k, inp.v, inp.k_cache, inp.v_cache, seqlens, table, bidx,
-                                 *scalars, **kw)
+        append, decode, combine = self.launches
+        if append is not None:
+            append(inp.k, inp.v, inp.k_cache, inp.v_cache, seqlens, table, bidx)
         out = torch.empty(q.shape, dtype=q.dtype, device=dev)
         lse = torch.empty(self.batch, self.hq, self.nq, dtype=torch.float32, device=dev)
-        if self.combine is not None:
+        if combine is not None:
             opart = torch.empty(self.opart_size, dtype=torch.float32, device=dev)
             lpart = torch.empty(self.lpart_size, dtype=torch.float32, device=dev)
         else:
             opart = lpart = lse
-        grid, scalars = self.decode
-        _decode_kernel[grid](q, inp.k_cache, inp.v_cache, seqlens, table, bidx,
-                             inp.alibi_slopes if self.has_slopes else lse, out, lse, opart, lpart,
-                             *scalars, **self.decode_kw)
-        if self.combine is not None:
-            grid, scalars = self.combine
-            _combine_kernel[grid](opart, lpart, out, lse, *scalars, **self.combine_kw)
+        decode(q, inp.k_cache, inp.v_cache, seqlens, table, bidx,
+               inp.alibi_slopes if self.has_slopes else lse, out, lse, opart, lpart)
+        if combine is not None:
+            combine(opart, lpart, out, lse)
         return (out, lse) if return_lse else out
 
 
