@@ -377,6 +377,6 @@ def test_gpu_direct_launch_gives_the_jit_paths_bits():
             used = [x for x in plan.launcher.launches if x is not None]
             assert sum(x.direct for x in used) == (3 * len(used) if direct else 0), (kw, direct)
             outs[direct] = (res, caches)
-        for (o0, l0), (o1, l1) in zip(outs[False][0], outs[True][0]):
+        for (o0, l0), (o1, l1) in zip(outs[False][0], outs[True][0], strict=True):
             assert torch.equal(o0, o1) and torch.equal(l0, l1), kw
-        assert all(torch.equal(x, y) for x, y in zip(outs[False][1], outs[True][1])), kw
+        assert all(torch.equal(x, y) for x, y in zip(outs[False][1], outs[True][1], strict=True)), kw
