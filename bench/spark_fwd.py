@@ -5,6 +5,10 @@ all measured in this run. A benchmark, not a test: it prints numbers.
     python bench/spark_fwd.py                      # default config per shape
     python bench/spark_fwd.py --configs all        # every compiled config, best per shape
     python bench/spark_fwd.py --seqlens 1024,8192 --head-dims 128 --causal 0
+    python bench/spark_fwd.py --configs all --each --rounds 3   # every config's own row
+
+``--each`` prints every config's TFLOP/s and its ratio to cuDNN, cuDNN and the configs timed
+in ``--rounds`` alternating rounds (the best round of each).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ def main(argv=None) -> int:
     add_sweep_arguments(ap)
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--configs", default="default", help="default | all | comma-separated names")
+    ap.add_argument("--each", action="store_true", help="a row per config, alternating rounds")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of --each")
     args = ap.parse_args(argv)
 
     from sparktune.backends.spark import SparkBackend
@@ -50,6 +56,9 @@ def main(argv=None) -> int:
             names = [c.config for c in b.candidates(p, dev)]
         else:
             names = [c for c in args.configs.split(",") if not b.not_supported_reasons(p, c, dev)]
+        if args.each:
+            _each(args, b, p, flops, names, q, k, v, out, causal, d, n, bs, rows)
+            continue
         best_t, best_name = math.inf, None
         for name in names:
             if name is None:
@@ -71,10 +80,47 @@ def main(argv=None) -> int:
         s, fl, cu = (tflops(flops, t) for t in (best_t, res["flash"], res["cudnn"]))
         rows.append((d, causal, n, s / fl, s / cu))
         print(f"{d:>3} {int(causal):>6} {n:>6} {bs:>5} | {s:7.1f} {fl:7.1f} {cu:7.1f} | {s / fl:7.3f} {s / cu:7.3f} | {best_name}", flush=True)
-    if rows:
+    if rows and not args.each:
         gm = math.exp(sum(math.log(r[3]) for r in rows) / len(rows))
         print(f"# geometric mean x flash: {gm:.3f}; min x flash: {min(r[3] for r in rows):.3f}")
+    if rows and args.each:
+        best = {}
+        for d, causal, n, _name, ratio in rows:
+            best[(d, causal, n)] = max(best.get((d, causal, n), 0.0), ratio)
+        gm = math.exp(sum(math.log(r) for r in best.values()) / len(best))
+        print(f"# best config per shape x cudnn: geometric mean {gm:.3f}, min {min(best.values()):.3f}")
     return 0
+
+
+def _each(args, b, p, flops, names, q, k, v, out, causal, d, n, bs, rows) -> None:
+    """cuDNN and every config, timed in alternating rounds; one row per config."""
+    calls = {"cudnn": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)}
+    for name in names:
+        if name is not None:
+            calls[name] = (lambda nm: lambda: b.forward(q, k, v, out, config=nm, causal=causal,
+                                                        scale=d ** -0.5))(name)
+    best = {label: math.inf for label in calls}
+    for _ in range(args.rounds):
+        for label, fn in list(calls.items()):
+            try:
+                if label == "cudnn":
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        t = do_bench(fn)
+                else:
+                    t = do_bench(fn)
+            except Exception as exc:  # noqa: BLE001
+                print(f"  {label}: failed: {exc}", file=sys.stderr)
+                del calls[label]
+                continue
+            best[label] = min(best[label], t)
+    cu = tflops(flops, best["cudnn"])
+    for name in calls:
+        if name == "cudnn":
+            continue
+        s = tflops(flops, best[name])
+        rows.append((d, causal, n, name, s / cu))
+        print(f"{d:>3} {int(causal):>6} {n:>6} {bs:>5} | {s:7.1f} {'':>7} {cu:7.1f} | {'':>7} {s / cu:7.3f} | {name}",
+              flush=True)
 
 
 if __name__ == "__main__":

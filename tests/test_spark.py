@@ -323,8 +323,8 @@ def test_packed_training_call_on_hopper_matches_float64_reference():
     _resolve = importlib.import_module("sparktune.dispatch._resolve")
 
     dev = DeviceInfo.from_torch("cuda")
-    if dev.arch != 90 or "fwd_sm90_bf16_d128_m128n128_s2_ov1_pp0" not in KERNELS:
-        pytest.skip("needs sm_90 and fwd_sm90_bf16_d128_m128n128_s2_ov1_pp0")
+    if dev.arch != 90 or "fwd_sm90_bf16_d128_m128n128_s2_ov1_pp1" not in KERNELS:
+        pytest.skip("needs sm_90 and fwd_sm90_bf16_d128_m128n128_s2_ov1_pp1 (the default)")
     lq, hq, hk, d = [300, 1, 1000, 0, 513], 8, 2, 128
     cu = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     p = Problem("fwd", "bfloat16", len(lq), hq, hk, max(lq), max(lq), d, True, False, varlen=True,

@@ -34,6 +34,7 @@ NAMES = [
     "fwd_sm90_f16_d128_m128n128_s2_ov1_pp0",
     "fwd_sm90_f16_d128_m128n128_s2_ov1_pp1",
     "fwd_sm90_bf16_d128_m128n128_s2_ov1_pp0",
+    "fwd_sm90_bf16_d128_m128n128_s2_ov1_pp1",
     "fwd_sm90_f16_d64_m128n128_s2_ov1_pp0",
     "fwd_sm80_f16_d64_m128n64_w4x1_acc32",
 ]
@@ -49,8 +50,8 @@ def backend(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype,expected", [
-    ("float16", "fwd_sm90_f16_d128_m128n128_s2_ov1_pp0"),
-    ("bfloat16", "fwd_sm90_bf16_d128_m128n128_s2_ov1_pp0"),
+    ("float16", "fwd_sm90_f16_d128_m128n128_s2_ov1_pp1"),
+    ("bfloat16", "fwd_sm90_bf16_d128_m128n128_s2_ov1_pp1"),
 ])
 def test_hopper_takes_the_sm90_default(backend, dtype, expected):
     p = Problem("fwd", dtype, 1, 8, 8, 4096, 4096, 128, True)

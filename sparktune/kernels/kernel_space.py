@@ -210,13 +210,17 @@ def forward_space() -> list[FwdEntry | Fwd90Entry]:
     sched90 = [(64, 128, 128, 2), (64, 128, 128, 3), (128, 128, 128, 2), (128, 128, 64, 3)]
     entries += [Fwd90Entry(dt, hd, bm, bn, st, True, pp) for dt in ("f16", "bf16")
                 for hd, bm, bn, st in sched90 for pp in (False, True)]
-    # head dim 64 with three consumer warpgroups (192 query rows a block): the overlap order
-    # only (ping-pong alternates between two warpgroups)
-    entries += [Fwd90Entry(dt, 64, 192, 128, 2, True, False) for dt in ("f16", "bf16")]
+    # head dim 64 with three consumer warpgroups (192 query rows a block): the plain and the
+    # overlapped orders (ping-pong alternates between two warpgroups)
+    entries += [Fwd90Entry(dt, 64, 192, 128, 2, ov, False) for dt in ("f16", "bf16")
+                for ov in (True, False)]
     # persistent blocks (``_ps1``): the plain and the overlapped orders of the fastest tiles
-    # (not m192n128 at head dim 64: under three consumer warpgroups its tile loop spilled 36 B
-    # in ptxas -v for sm_90a)
+    # (m192n128_s2_ps1, three warpgroups without the overlap, spills 8 B in ptxas -v for
+    # sm_90a in its tile loop; it is kept: on an H200 it is the fastest kernel of several
+    # short head dim 64 shapes, BENCHMARKS.md "Persistent blocks, second version")
     pers90 = [(64, 128, 128, 2, False, False), (64, 128, 128, 2, True, False),
+              (64, 128, 128, 3, False, False), (64, 192, 128, 2, True, False),
+              (64, 192, 128, 2, False, False),
               (128, 128, 128, 2, False, False), (128, 128, 128, 2, True, False),
               (128, 128, 128, 2, True, True)]
     entries += [Fwd90Entry(dt, hd, bm, bn, st, ov, pp, True) for dt in ("f16", "bf16")
@@ -320,15 +324,16 @@ BWD_DEFAULTS = {
     (70, 128): (64, 32, 2, 4),
 }
 
-#: Hopper defaults per (op, head_dim): the name's tail after the head dim. Forward: the
-#: intra-warpgroup overlap kernels with two stages; head dim 128 with 128 x 128 tiles, the
-#: fastest or within 2% of it at every seqlen >= 4k of the 16k-token sweep on an H200; head
-#: dim 64 with three consumer warpgroups (192 query rows), the fastest sm90 kernel at every
-#: seqlen >= 2k of that sweep (tools/gpu_check_sm90.py, BENCHMARKS.md). The tuner replaces them
-#: per shape.
+#: Hopper defaults per (op, head_dim): the name's tail after the head dim. Forward, from one
+#: run of every config on the 16k-token sweep on an H200 (bench/spark_fwd.py --each,
+#: BENCHMARKS.md "Persistent blocks, second version"): head dim 128 with 128 x 128 tiles,
+#: overlap and ping-pong, at least as fast as the overlap alone at all 12 shapes and the
+#: fastest non-persistent kernel from 1k up; head dim 64 with three consumer warpgroups (192
+#: query rows) without the overlap, the fastest non-persistent kernel of 7 of the 12 shapes
+#: (the overlap 1-3% ahead at 8k and 16k non-causal). The tuner replaces them per shape.
 SM90_DEFAULTS = {
-    ("fwd", 64): "m192n128_s2_ov1_pp0",
-    ("fwd", 128): "m128n128_s2_ov1_pp0",
+    ("fwd", 64): "m192n128_s2",
+    ("fwd", 128): "m128n128_s2_ov1_pp1",
     # Backward: two consumer warpgroups of 64 keys, query tiles of 64 (the tiles the register
     # and shared-memory rules leave). Head dim 128: 1.18-1.34x the family 80 default's backward
     # on an H200 (bwd-only TFLOP/s, 16k tokens, seqlen 4k and 16k, BENCHMARKS.md); head dim 64:

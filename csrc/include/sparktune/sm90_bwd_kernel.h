@@ -232,6 +232,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto qdo_full = reinterpret_cast<FullBarrier*>(st.qdo_full());
   auto empty = reinterpret_cast<Barrier*>(st.empty());
   if (threadIdx.x == 0) {
+    // the TMA descriptors (kernel parameters) into the cache now, not at the first load
+    cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_dq.get_tma_descriptor());
     kv_full.init(1);
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
@@ -446,10 +452,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // that warp's TMA has read the previous step's
         auto stage_dq = [&]() {
           if (t > 0) sm90::bar_sync(kBarDqEmpty, kHandoff);
+          // element pairs (v, v + 1) are neighbouring columns of one row: one 8-byte store each
+          static_assert(decltype(size<0>(acc_dq))::value % 2 == 0, "accumulators hold column pairs");
           CUTE_UNROLL
           for (int mt = 0; mt < size<1>(acc_dq); ++mt) {
             CUTE_UNROLL
-            for (int v = 0; v < size<0>(acc_dq); ++v) st.dq()[dq_store.offset(v, mt)] = acc_dq(v, mt, 0);
+            for (int v = 0; v < size<0>(acc_dq); v += 2) {
+              *reinterpret_cast<float2*>(st.dq() + dq_store.offset(v, mt)) =
+                  make_float2(acc_dq(v, mt, 0), acc_dq(v + 1, mt, 0));
+            }
           }
           cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> the TMA's reads
           sm90::bar_arrive(kBarDqFull, kHandoff);

@@ -10,9 +10,9 @@
 //
 // A third switch, kPersistent ("ps1"): one block per SM walks a static list of (row block,
 // head, batch) tiles, heaviest causal tiles first, round robin over the blocks; the barriers are
-// set up once, the producer loads the next tile's K/V (and, once the consumers are done with Q,
-// its Q) while the consumers still finish the current tile, and O goes out through a buffer of
-// its own.
+// set up once, Q has two slots (the next tile's Q lands while the current tile runs), the
+// producer loads the next tile's K/V while the consumers still finish the current tile, and O
+// goes out through its tile's own Q slot, which is released once the epilogue has read it.
 //
 // Two scheduling switches (both off: the original kernel, instruction for instruction):
 // - kOverlap ("ov1"): software pipelining inside each consumer warpgroup. A step issues
@@ -74,21 +74,23 @@ struct Sm90FwdConfig {
   static constexpr int kRegsP = kRegsS / 2;
   static constexpr int kRegEstimate = kRegsO + kRegsS + kRegsP + kRegOverhead;
 
-  // ---- shared memory: Q, then the K and V slots, then the barriers ----
+  // ---- shared memory: the Q slots, then the K and V slots, then the barriers ----
   // Every tile starts on a 1024-byte boundary (the 128-byte swizzle of TMA and wgmma repeats
   // every 1024 bytes); kSmemAlign more bytes let the kernel align the dynamic window itself.
+  // Persistent blocks keep two Q slots (tile i + 1's Q loads while tile i runs); O of a tile is
+  // staged in its own Q slot either way (the warpgroup's rows are free once its last S product
+  // has completed).
   static constexpr int kSmemAlign = 1024;
-  static constexpr int kSmemQ = kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kQSlots = kPersistent ? 2 : 1;
+  static constexpr int kSmemQSlot = kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemQ = kQSlots * kSmemQSlot;
   static constexpr int kSmemKVStage = kBlockN * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemK = kStages * kSmemKVStage;
   static constexpr int kSmemV = kStages * kSmemKVStage;
-  // persistent: O of a tile is staged in a buffer of its own, so that the next tile's Q can
-  // land while the epilogue still stores (else the epilogue reuses Q's rows)
-  static constexpr int kSmemO = kPersistent ? kSmemQ : 0;
-  // barriers: Q full, Q empty, and per stage K full/empty and V full/empty (8 bytes each)
-  static constexpr int kSmemBarriers = (2 + 4 * kStages) * 8;
+  // barriers: per Q slot full/empty, and per stage K full/empty and V full/empty (8 bytes each)
+  static constexpr int kSmemBarriers = (2 * kQSlots + 4 * kStages) * 8;
   static constexpr int kSmemBarrierPad = (kSmemBarriers + 127) / 128 * 128;
-  static constexpr int kSmemBytes = kSmemAlign + kSmemQ + kSmemK + kSmemV + kSmemO + kSmemBarrierPad;
+  static constexpr int kSmemBytes = kSmemAlign + kSmemQ + kSmemK + kSmemV + kSmemBarrierPad;
   static constexpr int kMaxSmemBytes = 227 * 1024;
 
   // ---- validity rules, each with the reason reported for an excluded configuration ----

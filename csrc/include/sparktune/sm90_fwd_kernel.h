@@ -78,34 +78,30 @@ CUTE_DEVICE void convert_into(Src const& src, Dst& dst) {
       convert(*reinterpret_cast<cutlass::Array<From, N> const*>(src.data()));
 }
 
-// Shared memory of one block, from a 1024-byte aligned base: Q, the K slots, the V slots (each
-// tile a multiple of 1024 bytes, so each starts on a swizzle period), then the barriers.
+// Shared memory of one block, from a 1024-byte aligned base: the Q slots, the K slots, the V
+// slots (each tile a multiple of 1024 bytes, so each starts on a swizzle period), then the
+// barriers.
 template <class Traits>
 struct SharedStorage {
   using T = typename Traits::Element;
-  static_assert(Traits::kSmemQ % 1024 == 0 && Traits::kSmemKVStage % 1024 == 0,
+  static_assert(Traits::kSmemQSlot % 1024 == 0 && Traits::kSmemKVStage % 1024 == 0,
                 "every tile must start on a 1024-byte boundary");
+  static constexpr int kQSlots = Traits::kQSlots;
   char* base;
-  CUTE_DEVICE T* q() const { return reinterpret_cast<T*>(base); }
+  CUTE_DEVICE T* q(int slot) const { return reinterpret_cast<T*>(base + slot * Traits::kSmemQSlot); }
   CUTE_DEVICE T* k() const { return reinterpret_cast<T*>(base + Traits::kSmemQ); }
   CUTE_DEVICE T* v() const { return reinterpret_cast<T*>(base + Traits::kSmemQ + Traits::kSmemK); }
-  // O's staging buffer: its own when persistent, else Q's rows (free by then)
-  CUTE_DEVICE T* o() const {
-    return reinterpret_cast<T*>(Traits::kPersistent
-                                    ? base + Traits::kSmemQ + Traits::kSmemK + Traits::kSmemV
-                                    : base);
-  }
   CUTE_DEVICE uint64_t* barriers() const {
-    return reinterpret_cast<uint64_t*>(base + Traits::kSmemQ + Traits::kSmemK + Traits::kSmemV +
-                                       Traits::kSmemO);
+    return reinterpret_cast<uint64_t*>(base + Traits::kSmemQ + Traits::kSmemK + Traits::kSmemV);
   }
-  // barrier order: Q full, Q empty, then per stage K full, K empty, V full, V empty
+  // barrier order: per Q slot full, per Q slot empty, then per stage K full, K empty, V full,
+  // V empty
   CUTE_DEVICE uint64_t* q_full() const { return barriers(); }
-  CUTE_DEVICE uint64_t* q_empty() const { return barriers() + 1; }
-  CUTE_DEVICE uint64_t* k_full() const { return barriers() + 2; }
-  CUTE_DEVICE uint64_t* k_empty() const { return barriers() + 2 + Traits::kStages; }
-  CUTE_DEVICE uint64_t* v_full() const { return barriers() + 2 + 2 * Traits::kStages; }
-  CUTE_DEVICE uint64_t* v_empty() const { return barriers() + 2 + 3 * Traits::kStages; }
+  CUTE_DEVICE uint64_t* q_empty() const { return barriers() + kQSlots; }
+  CUTE_DEVICE uint64_t* k_full() const { return barriers() + 2 * kQSlots; }
+  CUTE_DEVICE uint64_t* k_empty() const { return barriers() + 2 * kQSlots + Traits::kStages; }
+  CUTE_DEVICE uint64_t* v_full() const { return barriers() + 2 * kQSlots + 2 * Traits::kStages; }
+  CUTE_DEVICE uint64_t* v_empty() const { return barriers() + 2 * kQSlots + 3 * Traits::kStages; }
 };
 
 }  // namespace sm90
@@ -124,7 +120,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kStages = Traits::kStages;
   constexpr int kConsumerWarps = Traits::kConsumerWarpgroups * 4;
   constexpr float kNegInf = -INFINITY;
-  static_assert(cosize_v<typename Traits::SmemLayoutQ> * sizeof(T) == Traits::kSmemQ &&
+  static_assert(cosize_v<typename Traits::SmemLayoutQ> * sizeof(T) == Traits::kSmemQSlot &&
                 cosize_v<typename Traits::SmemLayoutKV> * sizeof(T) == Traits::kSmemK,
                 "the shared-memory rule of sm90_fwd_config.h disagrees with the layouts");
 
@@ -141,11 +137,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // tiles of a section start first and the light ones fill the end. Without kPersistent a block
   // runs the tile of its place in launch order (x fastest) in that order, or of its grid
   // coordinates (row blocks reversed) when p.tile_section is 0; with it, block b of the 1-D
-  // grid runs tiles b, b + gridDim.x, ... of the sectioned order.
+  // grid runs one tile of each round of gridDim.x tiles of the sectioned order (round_tile).
   const int num_m_blocks = ceil_div(p.seqlen_q, kBlockM);
   const int num_tiles = Traits::kPersistent ? num_m_blocks * p.heads_q * p.batch : 1;
-  const int first_tile = Traits::kPersistent ? int(blockIdx.x) : 0;
-  const int tile_step = Traits::kPersistent ? int(gridDim.x) : 1;
+  // Persistent: the tiles of the sectioned order go out in rounds of gridDim.x, alternately
+  // forward and backward over the blocks (block b takes tile r G + b in even rounds and
+  // r G + G - 1 - b in odd ones), so that under a causal mask no block takes the heaviest tile
+  // of every round; tile numbers past the end are skipped. (Round robin in one direction left
+  // the first blocks with up to a few row blocks more work per round than the last.)
+  const int rounds = Traits::kPersistent ? ceil_div(num_tiles, int(gridDim.x)) : 1;
+  auto round_tile = [&](const int r) {
+    if constexpr (!Traits::kPersistent) {
+      return 0;
+    } else {
+      const int g = int(gridDim.x), b = int(blockIdx.x);
+      return r * g + ((r & 1) ? g - 1 - b : b);
+    }
+  };
   struct Tile {
     int m_block, head, batch;
   };
@@ -200,15 +208,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     return n;
   };
 
-  auto& q_full = *reinterpret_cast<FullBarrier*>(st.q_full());
-  auto& q_empty = *reinterpret_cast<EmptyBarrier*>(st.q_empty());
+  constexpr int kQSlots = Traits::kQSlots;
+  auto q_full = reinterpret_cast<FullBarrier*>(st.q_full());
+  auto q_empty = reinterpret_cast<EmptyBarrier*>(st.q_empty());
   auto k_full = reinterpret_cast<FullBarrier*>(st.k_full());
   auto v_full = reinterpret_cast<FullBarrier*>(st.v_full());
   auto k_empty = reinterpret_cast<EmptyBarrier*>(st.k_empty());
   auto v_empty = reinterpret_cast<EmptyBarrier*>(st.v_empty());
   if (threadIdx.x == 0) {
-    q_full.init(1);
-    q_empty.init(kConsumerWarps);
+    // the TMA descriptors (kernel parameters) into the cache now, not at the first load
+    cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
+    CUTE_UNROLL
+    for (int s = 0; s < kQSlots; ++s) {
+      q_full[s].init(1);
+      q_empty[s].init(kConsumerWarps);
+    }
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
       k_full[s].init(1);
@@ -220,7 +236,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
   __syncthreads();
 
-  Tensor sQ = make_tensor(make_smem_ptr(st.q()), typename Traits::SmemLayoutQ{});
+  // Q slot s (tile number r of this block, counting the tiles that load a Q, uses slot
+  // r % kQSlots with barrier phase (r / kQSlots) & 1)
+  auto q_slot = [&](const int slot) {
+    return make_tensor(make_smem_ptr(st.q(slot)), typename Traits::SmemLayoutQ{});
+  };
   Tensor sK = make_tensor(make_smem_ptr(st.k()), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(st.v()), typename Traits::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(st.v()), typename Traits::SmemLayoutVt{});
@@ -240,7 +260,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Tensor mV = args.tma_v.get_tma_tensor(
           make_shape(varlen ? p.total_k : p.seqlen_k, kHeadDim, p.heads_kv, views));
       int stage = 0, phase = 0, q_round = 0;
-      for (int t = first_tile; t < num_tiles; t += tile_step) {
+      for (int r = 0; r < rounds; ++r) {
+        const int t = round_tile(r);
+        if (t >= num_tiles) continue;
         const Tile tile = tile_at(t);
         enter(tile.batch);
         const int n_blocks = key_blocks(tile.m_block * kBlockM);
@@ -249,6 +271,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         const int view = varlen ? 0 : tile.batch;
         Tensor gQ = local_tile(domain_offset(make_coord(q_first, _0{}), mQ(_, _, tile.head, view)),
                                tile_q, make_coord(tile.m_block, _0{}));
+        const int q_slot_now = q_round % kQSlots;
+        const int q_parity = (q_round / kQSlots) & 1;
+        Tensor sQ = q_slot(q_slot_now);
         Tensor gK = local_tile(domain_offset(make_coord(k_first, _0{}), mK(_, _, kv_head, view)),
                                tile_kv, make_coord(_, _0{}));  // (BN,D,n)
         Tensor gV = local_tile(domain_offset(make_coord(k_first, _0{}), mV(_, _, kv_head, view)),
@@ -259,16 +284,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                           group_modes<0, 2>(gK));
         auto [tVgV, tVsV] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
                                           group_modes<0, 2>(gV));
-        // the first K block goes out before Q waits for the consumers to release the previous
-        // tile's Q, so that both loads overlap the end of that tile
+        // the first K block goes out before Q waits for its slot (persistent: released by the
+        // epilogue of the tile before the previous one), so that both loads overlap the end of
+        // the previous tile
         const int n_last = n_blocks - 1;
         k_empty[stage].wait(phase ^ 1);
         k_full[stage].arrive_and_expect_tx(Traits::kTmaBytesKV);
         cute::copy(args.tma_k.with(reinterpret_cast<uint64_t&>(k_full[stage])), tKgK(_, n_last),
                    tKsK(_, stage));
-        q_empty.wait((q_round & 1) ^ 1);
-        q_full.arrive_and_expect_tx(Traits::kTmaBytesQ);
-        cute::copy(args.tma_q.with(reinterpret_cast<uint64_t&>(q_full)), tQgQ, tQsQ);
+        q_empty[q_slot_now].wait(q_parity ^ 1);
+        q_full[q_slot_now].arrive_and_expect_tx(Traits::kTmaBytesQ);
+        cute::copy(args.tma_q.with(reinterpret_cast<uint64_t&>(q_full[q_slot_now])), tQgQ, tQsQ);
         ++q_round;
         for (int n = n_last; n >= 0; --n) {
           if (n != n_last) {
@@ -300,7 +326,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   typename Traits::TiledMmaO mma_o;
   auto thr_s = mma_s.get_thread_slice(ctid);
   auto thr_o = mma_o.get_thread_slice(ctid);
-  Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K): descriptors
   Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
   Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
   Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
@@ -315,7 +340,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const float scale_log2 = p.scale_log2;
   int stage = 0, phase = 0, q_round = 0;
 
-  for (int t = first_tile; t < num_tiles; t += tile_step) {
+  for (int r = 0; r < rounds; ++r) {
+    const int t = round_tile(r);
+    if (t >= num_tiles) continue;
     const Tile tile = tile_at(t);
     enter(tile.batch);
     const int head = tile.head;
@@ -328,12 +355,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       row_max[r] = kNegInf;
       row_sum[r] = 0.f;
     }
-    // this tile's Q, once it has landed (the phase flips with every tile that loads one)
-    auto wait_q = [&]() { q_full.wait(q_round & 1); };
-    auto release_q = [&]() {  // every S product of the tile is done: Q's slot may be refilled
-      if (lane == 0) q_empty.arrive();
-      ++q_round;
-    };
+    // this tile's Q slot (a tile with no key block loads none) and, once it has landed, Q
+    const int q_slot_now = q_round % kQSlots;
+    Tensor sQ = q_slot(q_slot_now);
+    Tensor tSrQ = thr_s.partition_fragment_A(sQ);  // (MMA, MMA_M, MMA_K): descriptors
+    auto wait_q = [&]() { q_full[q_slot_now].wait((q_round / kQSlots) & 1); };
     auto step = [&](const int n, auto mask_tag) {
       constexpr bool kMask = decltype(mask_tag)::value;
       // S = Q K^T
@@ -401,7 +427,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       int n = n_blocks - 1;
       for (; n >= 0 && needs_mask(n); --n) step(n, cute::true_type{});
       for (; n >= 0; --n) step(n, cute::false_type{});
-      if (n_blocks > 0) release_q();
     } else if (n_blocks > 0) {
       // ---- the overlapped order (ov1): S_j's softmax runs under P_{j-1} V_{j-1} ----
       // A GEMM burst: S_j and P_{j-1} V_{j-1} issued back to back. With ping-pong (pp1) the two
@@ -521,7 +546,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       };
       for (--n; n >= 0 && needs_mask(n); --n) step_ov(n, cute::true_type{});
       for (; n >= 0; --n) step_ov(n, cute::false_type{});
-      release_q();
       // the last block's P V
       v_full[pstage].wait(pphase);
       burst_begin();
@@ -551,31 +575,47 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
 
-    // O's staging rows: Q's rows of this warpgroup (free: its last S product has completed), or
-    // when persistent a buffer of its own, whose rows the previous tile's stores may still read
-    Tensor rO = convert_fragment<T>(acc_o);
-    Tensor sO = make_tensor(make_smem_ptr(st.o()), typename Traits::SmemLayoutQ{});
-    if constexpr (Traits::kPersistent) cutlass::arch::NamedBarrier::sync(128, 1 + cwg);
-    cute::copy(rO, thr_o.partition_C(sO));
-    cutlass::arch::NamedBarrier::sync(128, 1 + cwg);  // the warpgroup's rows are in shared memory
-
     T* o_ptr = static_cast<T*>(p.o) + (varlen ? int64_t(q_first) * p.o_row_stride : batch * p.o_batch_stride) +
                head * p.o_head_stride;
     const int wg_row0 = row0 + cwg * 64;
     Tensor gO = make_tensor(make_gmem_ptr(o_ptr + int64_t(wg_row0) * p.o_row_stride),
                             make_shape(Int<64>{}, Int<kHeadDim>{}), make_stride(p.o_row_stride, _1{}));
-    Tensor sOw = local_tile(sO, Shape<Int<64>, Int<kHeadDim>>{}, make_coord(cwg, _0{}));
     typename Traits::GmemTiledCopyO copy_o;
     auto thr_copy_o = copy_o.get_thread_slice(ctid % 128);
-    Tensor tOsO = thr_copy_o.partition_S(sOw);
     Tensor tOgO = thr_copy_o.partition_D(gO);
     Tensor tOcO = thr_copy_o.partition_D(make_identity_tensor(Shape<Int<64>, Int<kHeadDim>>{}));
+    if (Traits::kPersistent && n_blocks == 0) {
+      // no key block, no Q slot of its own (the producer may be filling the next one): zeros
+      // straight to global memory
+      CUTE_UNROLL
+      for (int m = 0; m < size<1>(tOgO); ++m) {
+        if (wg_row0 + get<0>(tOcO(0, m, 0)) < seqlen_q) clear(tOgO(_, m, _));
+      }
+      continue;
+    }
+
+    // O's staging rows: this warpgroup's rows of the tile's Q slot (free: its last S product
+    // has completed; the other warpgroups read only their own rows)
+    Tensor rO = convert_fragment<T>(acc_o);
+    cute::copy(rO, thr_o.partition_C(sQ));
+    cutlass::arch::NamedBarrier::sync(128, 1 + cwg);  // the warpgroup's rows are in shared memory
+
+    Tensor sOw = local_tile(sQ, Shape<Int<64>, Int<kHeadDim>>{}, make_coord(cwg, _0{}));
+    Tensor tOsO = thr_copy_o.partition_S(sOw);
     CUTE_UNROLL
     for (int m = 0; m < size<1>(tOsO); ++m) {
       if (wg_row0 + get<0>(tOcO(0, m, 0)) < seqlen_q) {
         CUTE_UNROLL
         for (int k = 0; k < size<2>(tOsO); ++k) cute::copy(copy_o, tOsO(_, m, k), tOgO(_, m, k));
       }
+    }
+    if (n_blocks > 0) {  // every lane has read its rows: the slot may take another tile's Q
+      // (the staging stores were generic-proxy writes; the next TMA load into the slot is an
+      // async-proxy write)
+      cutlass::arch::fence_view_async_shared();
+      __syncwarp();
+      if (lane == 0) q_empty[q_slot_now].arrive();
+      ++q_round;
     }
   }  // tiles
 #else

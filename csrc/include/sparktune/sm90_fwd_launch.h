@@ -97,6 +97,19 @@ cudaError_t launch_sm90_fwd(FwdParams const& p, cudaStream_t stream) {
   // TFLOP/s than the grid's own order at 2k-8k tokens (BENCHMARKS.md, "Tile order"); the
   // plain non-causal launch keeps the grid order (every tile the same weight).
   args.p.tile_section = Traits::kPersistent || p.causal ? section : 0;
+  // Persistent blocks take tiles in static rounds, so the order decides both what shares L2
+  // and how evenly the rounds' work falls on the blocks: small sections, whose tiles running
+  // together read one or two pairs' K and V as in the non-persistent grid order (non-causal:
+  // two pairs; causal: one), except causal launches of 32 row blocks or more a pair: one
+  // section, the heaviest tiles of all pairs first, whose rounds are nearly even (small
+  // sections restart at their heaviest tiles every few rounds, and the blocks that take those
+  // fall behind). Measured on an H200 against 24 MB sections (BENCHMARKS.md, "Persistent
+  // blocks"): two pairs -4% to +8% non-causal from 1k to 8k, one pair -4% to +10% causal at
+  // 512-2k, one section -3% to +10% causal at 4k-8k, per kernel.
+  if constexpr (Traits::kPersistent) {
+    const int m_blocks = ceil_div(p.seqlen_q, Traits::kBlockM);
+    args.p.tile_section = !p.causal ? 2 * p.group : m_blocks >= 32 ? 0 : p.group;
+  }
   if constexpr (Traits::kPersistent) {  // one block per SM (at most one tile each)
     const int64_t tiles = int64_t(grid.x) * grid.y * grid.z;
     int sms = 0;
