@@ -342,9 +342,21 @@ def _build(preset: Preset, max_positions: int, dtype: torch.dtype, device: torch
 
 def _rewind(cache: Any, tokens: int) -> None:
     """Make a static cache forget its last ``tokens`` positions (newer transformers count the
-    filled positions and write there, whatever ``cache_position`` says; older ones write at
-    ``cache_position``, with nothing to rewind)."""
-    if getattr(cache, "is_croppable", False):
+    filled positions per layer, ``cumulative_length``, and write there whatever
+    ``cache_position`` says; older ones write at ``cache_position``, with nothing to rewind).
+    The layers' counters are moved back directly where they exist (transformers 5.17 counts
+    them but its cache is not ``is_croppable``: without this a second step wrote past the
+    cache's end), else the cache is cropped where it can be."""
+    layers = [layer for layer in getattr(cache, "layers", None) or ()
+              if hasattr(layer, "cumulative_length")]
+    if layers:
+        for layer in layers:
+            n = layer.cumulative_length
+            if isinstance(n, torch.Tensor):
+                n.sub_(tokens)  # in place: a static address under CUDA graphs
+            else:
+                layer.cumulative_length = n - tokens
+    elif getattr(cache, "is_croppable", False):
         cache.crop(-tokens)
 
 
