@@ -520,3 +520,47 @@ def test_left_padded_decode_steps_fall_back_and_match_sdpa():
     assert hf.counters().get("mask", 0) > 0
     model.set_attn_implementation("sdpa")
     assert torch.equal(ours, _generate(model, ids, attention_mask=mask))
+
+
+def test_inference_mode_decode_compares_the_mask_once_per_step(monkeypatch):
+    """Under torch.inference_mode masks have no version counter: the decode mask that the
+    model hands to its layers is compared once per step (at its first layer), not once per
+    layer; the tokens stay SDPA's."""
+    model = build(llama_config(), "sparktune")
+    ids = tokens(batch=2, seq=7)
+    compared = []
+    real = hf._decode_compare
+    monkeypatch.setattr(hf, "_decode_compare", lambda *a: compared.append(1) or real(*a))
+    hf._decode_checked.clear()
+    with torch.inference_mode():
+        ours = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static")
+    assert hf.counters()["sparktune_decode"] == 5 * model.config.num_hidden_layers
+    assert 1 <= len(compared) <= 5, len(compared)
+    model.set_attn_implementation("sdpa")
+    with torch.inference_mode():
+        assert torch.equal(ours, model.generate(ids, max_new_tokens=6, do_sample=False,
+                                                cache_implementation="static"))
+
+
+def test_inference_masks_are_compared_once_per_forward(monkeypatch):
+    """An inference-mode mask (no version counter) is compared at every call without a layer
+    index; with one, at the first layer of a forward and reused by the later layers, and
+    compared again when a forward starts over (a smaller index), so that an in-place change
+    between forwards is seen."""
+    compared = []
+    real = hf._decode_compare
+    monkeypatch.setattr(hf, "_decode_compare", lambda *a: compared.append(1) or real(*a))
+    hf._decode_checked.clear()
+    with torch.inference_mode():
+        mask = torch.zeros(2, 1, 1, 8, dtype=torch.bool)
+        mask[..., :5] = True
+        for _ in range(3):
+            assert hf._decode_lengths(mask, 1, 8).tolist() == [5, 5]
+        assert len(compared) == 3
+        for layer in range(4):  # one forward: compared at layer 0 only
+            assert hf._decode_lengths(mask, 1, 8, layer).tolist() == [5, 5]
+        assert len(compared) == 4
+        mask[1, ..., 4] = False  # changed in place between forwards
+        for layer in range(4):
+            assert hf._decode_lengths(mask, 1, 8, layer).tolist() == [5, 4]
+        assert len(compared) == 5

@@ -164,8 +164,45 @@ def _graph_breaks_allowed() -> bool:
 
 # --------------------------------------------------------------------- the plain causal mask
 
-#: (weak reference to a mask, its version, the answer) for the masks compared lately
-_checked: list[tuple[weakref.ref[torch.Tensor], int, bool]] = []
+#: (weak reference to a mask, its key (:func:`_mask_version`), the answer) for the masks
+#: compared lately
+_checked: list[tuple[weakref.ref[torch.Tensor], tuple[int, int], bool]] = []
+
+
+def _mask_version(mask: torch.Tensor, layer: int | None) -> tuple[int, int] | None:
+    """What a remembered answer about ``mask`` is keyed on besides the tensor itself, or None
+    when nothing may be remembered or reused. A normal tensor: its version counter (an
+    in-place change is compared again). An inference-mode tensor has no version counter; a
+    model's forward hands one mask tensor to its attention layers in the order of their
+    ``layer_idx``, so an answer is reused only by a later layer (a larger index) than the one
+    that compared it: every forward compares its mask once, at its first attention layer,
+    whatever the caller did to the tensor between forwards. Without a layer index: compared
+    at every call."""
+    if not torch.is_inference(mask):
+        return (mask._version, -1)
+    return None if layer is None else (-1, layer)
+
+
+def _recall(memory: list, mask: torch.Tensor, key: tuple[int, int] | None) -> tuple[bool, Any]:
+    """(found, answer) from ``memory`` (entries ``(weakref, key, answer)``)."""
+    if key is None:
+        return False, None
+    for ref, seen, answer in memory:
+        if ref() is mask and (seen[0] == -1 and seen[1] < key[1] if key[0] == -1 else seen == key):
+            return True, answer
+    return False, None
+
+
+def _remember(memory: list, mask: torch.Tensor, key: tuple[int, int] | None, answer: Any) -> None:
+    """Keep ``answer`` about ``mask`` (replacing an older one about the same tensor)."""
+    if key is None:
+        return
+    memory[:] = [e for e in memory if e[0]() is not None and e[0]() is not mask]
+    if len(memory) >= _CHECKED_MAX:
+        del memory[0]
+    memory.append((weakref.ref(mask), key, answer))
+
+
 #: masks remembered (a model has one or two kinds of mask: full and sliding)
 _CHECKED_MAX = 4
 #: mask elements compared at once in eager mode (bounds the temporary comparison)
@@ -263,9 +300,10 @@ def _runs_fast(query: torch.Tensor, key: torch.Tensor, causal: bool, window: tup
     return answer
 
 
-def _is_plain_causal(mask: torch.Tensor, nq: int, nk: int) -> bool | None:
+def _is_plain_causal(mask: torch.Tensor, nq: int, nk: int, layer: int | None = None) -> bool | None:
     """Whether ``mask`` is exactly the causal mask of a square problem; None when that
-    cannot be known (a compiler that forbids graph breaks is tracing)."""
+    cannot be known (a compiler that forbids graph breaks is tracing). ``layer``: the calling
+    attention layer's index (:func:`_mask_version`)."""
     if (
         mask.dtype != torch.bool
         or mask.dim() != 4
@@ -277,16 +315,12 @@ def _is_plain_causal(mask: torch.Tensor, nq: int, nk: int) -> bool | None:
         if not _graph_breaks_allowed():
             return None
         return bool(_equals_causal_traced(mask))  # data-dependent: the graph breaks here
-    if torch.is_inference(mask):  # no version counter: compared at every call
-        return _equals_causal(mask)
-    version = mask._version
-    for ref, seen_version, answer in _checked:
-        if ref() is mask and seen_version == version:
-            return answer
+    key = _mask_version(mask, layer)
+    found, answer = _recall(_checked, mask, key)
+    if found:
+        return answer
     answer = _equals_causal(mask)
-    if len(_checked) >= _CHECKED_MAX:
-        del _checked[0]
-    _checked.append((weakref.ref(mask), version, answer))
+    _remember(_checked, mask, key, answer)
     return answer
 
 
@@ -296,8 +330,8 @@ def _is_plain_causal(mask: torch.Tensor, nq: int, nk: int) -> bool | None:
 DECODE = "sparktune_decode"
 #: query tokens per decode step at most (plain decoding and speculative verification)
 DECODE_MAX_QUERIES = 16
-#: (mask, version) -> the cache lengths it encodes, or None (not a prefix mask)
-_decode_checked: list[tuple[weakref.ref[torch.Tensor], int, torch.Tensor | None]] = []
+#: (mask, key) -> the cache lengths it encodes, or None (not a prefix mask)
+_decode_checked: list[tuple[weakref.ref[torch.Tensor], tuple[int, int], torch.Tensor | None]] = []
 
 
 def _decode_candidate(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, nq: int,
@@ -312,32 +346,34 @@ def _decode_candidate(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     )
 
 
-def _decode_lengths(mask: torch.Tensor, nq: int, nk: int) -> torch.Tensor | None:
+def _decode_lengths(mask: torch.Tensor, nq: int, nk: int, layer: int | None = None
+                    ) -> torch.Tensor | None:
     """The int32 ``(B,)`` cache lengths when the boolean ``(B, 1, Nq, Nk)`` mask is exactly a
     static cache's decode mask (sequence b's query i sees keys ``j <= i + L_b - Nq``, the rest
     of the cache being unwritten); else None. Compared once per mask tensor and version (one
-    sync per decode step: the layers share the mask)."""
+    sync per decode step: the layers share the mask), or under ``torch.inference_mode`` once
+    per forward (``layer``, :func:`_mask_version`)."""
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or tuple(
         mask.shape[-2:]
     ) != (nq, nk):
         return None
-    inference = torch.is_inference(mask)
-    if not inference:
-        version = mask._version
-        for ref, seen_version, answer in _decode_checked:
-            if ref() is mask and seen_version == version:
-                return answer
+    key = _mask_version(mask, layer)
+    found, answer = _recall(_decode_checked, mask, key)
+    if found:
+        return answer
+    answer = _decode_compare(mask, nq, nk)
+    _remember(_decode_checked, mask, key, answer)
+    return answer
+
+
+def _decode_compare(mask: torch.Tensor, nq: int, nk: int) -> torch.Tensor | None:
+    """:func:`_decode_lengths` without the memory: reads the mask (one host sync)."""
     rows = mask[:, 0]
     lens = rows[:, -1].sum(-1, dtype=torch.int32)
     cols = torch.arange(nk, device=mask.device)
     last = lens[:, None] - nq + torch.arange(nq, device=mask.device)[None, :]  # (B, Nq)
     expected = cols[None, None, :] <= last[:, :, None]
-    answer = lens if bool((rows == expected).all()) and bool((lens >= nq).all()) else None
-    if not inference:
-        if len(_decode_checked) >= _CHECKED_MAX:
-            del _decode_checked[0]
-        _decode_checked.append((weakref.ref(mask), version, answer))
-    return answer
+    return lens if bool(((rows == expected).all() & (lens >= nq).all()).item()) else None
 
 
 # ------------------------------------------------------------------------ attention function
@@ -397,10 +433,12 @@ def attention_forward(
     softcap = float(softcap) if softcap is not None else 0.0
     sliding = kwargs.get("sliding_window")
     if problem is None and attention_mask is not None:
-        plain = _is_plain_causal(attention_mask, nq, nk)
+        layer = getattr(module, "layer_idx", None)
+        layer = layer if isinstance(layer, int) and not isinstance(layer, bool) else None
+        plain = _is_plain_causal(attention_mask, nq, nk, layer)
         lens = None
         if plain is False and not softcap and _decode_candidate(query, key, value, nq, nk):
-            lens = _decode_lengths(attention_mask, nq, nk)
+            lens = _decode_lengths(attention_mask, nq, nk, layer)
         if lens is not None:
             # a decode step against a static cache (transformers wrote the new tokens): the
             # queries see a prefix of each sequence's cache, bottom-right aligned
