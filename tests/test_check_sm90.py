@@ -81,7 +81,9 @@ def test_sm90_scheduling_switches_are_name_suffixes():
     assert ps.name == "fwd_sm90_f16_d128_m128n128_s2_ov1_pp0_ps1"
     assert ps.config_type.endswith(", 2, true, false, true>")
     assert {"fwd_sm90_f16_d64_m128n128_s2_ps1", "fwd_sm90_bf16_d128_m128n128_s2_ov1_pp1_ps1"} <= names
-    assert not any(n.startswith("fwd_sm90_f16_d64_m192") and n.endswith("_ps1") for n in names)
+    # three consumer warpgroups persistent, with and without the overlap (they fit since O is
+    # staged in the tile's own Q slot)
+    assert {"fwd_sm90_f16_d64_m192n128_s2_ps1", "fwd_sm90_f16_d64_m192n128_s2_ov1_pp0_ps1"} <= names
 
 
 def test_sm90_backward_rules_say_why(tmp_path):
