@@ -30,6 +30,11 @@ import triton
 import triton.language as tl
 
 from .triton_attn import _LN2, _LOG2E, INTERPRET, LOG2E, _tanh
+
+try:  # the launch hooks the direct launch checks (_Launch)
+    from triton import knobs as _knobs
+except ImportError:  # a Triton without them: every launch goes through JITFunction.run
+    _knobs = None
 from .triton_decode_space import (
     DecodeConfig,
     default_decode_config,
@@ -290,9 +295,7 @@ class _Launch:
     def __call__(self, *tensors) -> None:
         c = self.compiled
         if c is not None and DIRECT_LAUNCH:
-            from triton import knobs
-
-            rt = knobs.runtime
+            rt = _knobs.runtime
             if (_hook_idle(rt.launch_enter_hook) and _hook_idle(rt.launch_exit_hook)
                     and tuple(t.data_ptr() % 16 == 0 for t in tensors) == self.aligned
                     and torch.cuda.current_device() == self.device):
@@ -303,7 +306,8 @@ class _Launch:
                 self.direct += 1
                 return
         k = self.fn[self.grid](*tensors, *self.scalars, **self.kw)
-        if (c is None and not INTERPRET and self.tail is not None and self.device is not None
+        if (c is None and not INTERPRET and _knobs is not None and self.tail is not None
+                and self.device is not None
                 and len(tensors) + len(self.scalars) + len(self.tail) == len(self.fn.arg_names)
                 and all(hasattr(k, a) for a in ("run", "function", "packed_metadata"))
                 and hasattr(torch._C, "_cuda_getCurrentRawStream")):
@@ -333,9 +337,8 @@ class DecodeLauncher:
     splits, the grids, the scalar arguments and the compile-time constants. ``run(inp)``
     then allocates the outputs and launches the kernels with the call's tensors only."""
 
-    __slots__ = ("batch", "nq", "hq", "splits", "block_m", "block_d", "append", "decode",
-                 "decode_kw", "combine", "combine_kw", "opart_size", "lpart_size", "has_table",
-                 "has_bidx", "has_slopes", "appends", "dev", "launches")
+    __slots__ = ("batch", "nq", "hq", "splits", "block_m", "block_d", "opart_size",
+                 "lpart_size", "has_table", "has_bidx", "has_slopes", "appends", "dev", "launches")
 
     def __init__(self, inp, config: str | None = None) -> None:
         key = inp.key
@@ -355,18 +358,18 @@ class DecodeLauncher:
         self.block_d = block_d
         t_stride = table.stride(0) if table is not None else 0
         t_blocks = table.shape[1] if table is not None else 1
+        append = None
         if key.appends:
             kn, vn = inp.k, inp.v
-            self.append = (
-                (batch, key.appends),
+            append = _Launch(
+                _append_kernel, (batch, key.appends),
                 (kn.stride(0), kn.stride(1), kn.stride(2), vn.stride(0), vn.stride(1), vn.stride(2),
                  kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
                  t_stride, hkv, inp.capacity, kc.shape[0], t_blocks),
                 dict(PAGE_SIZE=inp.page_size, BATCH_IDX=bidx is not None, HEAD_DIM=d,
                      BLOCK_H=_pow2(hkv, 1), BLOCK_D=block_d, num_warps=1),
+                dev,
             )
-        else:
-            self.append = None
         splits = splits_for(cfg, key, dev, inp.capacity)
         block_m = _pow2(group * nq)
         self.splits, self.block_m = splits, block_m
@@ -377,36 +380,32 @@ class DecodeLauncher:
         scale = inp.scale
         # out is allocated dense in q's shape: its strides are those of a contiguous tensor
         o_strides = (nq * hq * d, hq * d, d)
-        self.decode = (
-            (splits, batch * hkv),
+        decode = _Launch(
+            _decode_kernel, (splits, batch * hkv),
             (q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1), kc.stride(2),
              vc.stride(0), vc.stride(1), vc.stride(2), *o_strides, t_stride,
              slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,
              key.appends, nq, group, hkv, inp.capacity, kc.shape[0], t_blocks,
              scale * LOG2E, (scale / softcap) if softcap > 0 else 0.0, softcap * LOG2E,
              left, right, splits),
+            dict(PAGE_SIZE=inp.page_size, BATCH_IDX=bidx is not None, CAUSAL=inp.causal,
+                 WINDOW_L=left >= 0, WINDOW_R=right >= 0, SOFTCAP=softcap > 0,
+                 ALIBI=slopes is not None, SPLIT=splits > 1, HEAD_DIM=d, BLOCK_D=block_d,
+                 BLOCK_M=block_m, BLOCK_N=cfg.block_n, num_warps=cfg.warps,
+                 num_stages=cfg.stages),
+            dev,
         )
-        self.decode_kw = dict(
-            PAGE_SIZE=inp.page_size, BATCH_IDX=bidx is not None, CAUSAL=inp.causal,
-            WINDOW_L=left >= 0, WINDOW_R=right >= 0, SOFTCAP=softcap > 0, ALIBI=slopes is not None,
-            SPLIT=splits > 1, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-            num_warps=cfg.warps, num_stages=cfg.stages,
-        )
+        combine = None
         if splits > 1:
             block_dc = min(block_d, _COMBINE_DC)
-            self.combine = ((batch * hkv, group * nq, block_d // block_dc),
-                            (*o_strides, nq, group, hkv, splits))
-            self.combine_kw = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m,
-                                   BLOCK_S=_pow2(splits, 2), BLOCK_DC=block_dc, num_warps=4)
-        else:
-            self.combine = self.combine_kw = None
-        append = combine = None
-        if self.append is not None:
-            grid, scalars, kw = self.append
-            append = _Launch(_append_kernel, grid, scalars, kw, dev)
-        if self.combine is not None:
-            combine = _Launch(_combine_kernel, self.combine[0], self.combine[1], self.combine_kw, dev)
-        decode = _Launch(_decode_kernel, self.decode[0], self.decode[1], self.decode_kw, dev)
+            combine = _Launch(
+                _combine_kernel, (batch * hkv, group * nq, block_d // block_dc),
+                (*o_strides, nq, group, hkv, splits),
+                dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_S=_pow2(splits, 2),
+                     BLOCK_DC=block_dc, num_warps=4),
+                dev,
+            )
+        #: (append or None, split-KV, combine or None)
         self.launches = (append, decode, combine)
 
     def run(self, inp, seqlens: torch.Tensor, return_lse: bool = False):
