@@ -255,16 +255,13 @@ def _is_causal_window(mask: torch.Tensor, nq: int, nk: int, left: int) -> bool:
         or tuple(mask.shape[-2:]) != (nq, nk)
     ):
         return False
-    if torch.is_inference(mask):
-        return _equals_window(mask, left)
-    version = mask._version
-    for ref, seen_version, answer in _checked_windows:
-        if ref() is mask and seen_version == (version, left):
-            return answer
+    key = _mask_version(mask, None)  # inference-mode masks: compared at every call
+    key = None if key is None else (key[0], left)
+    found, answer = _recall(_checked_windows, mask, key)
+    if found:
+        return answer
     answer = _equals_window(mask, left)
-    if len(_checked_windows) >= _CHECKED_MAX:
-        del _checked_windows[0]
-    _checked_windows.append((weakref.ref(mask), (version, left), answer))
+    _remember(_checked_windows, mask, key, answer)
     return answer
 
 
