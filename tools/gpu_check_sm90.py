@@ -53,7 +53,7 @@ SHAPES = (
     (1, 8, 4, 300, 300, "bhnd_slice"),  # a slice of a packed qkv-like buffer
     (6, 12, 4, 1000, 1000, "bnhd"),  # 576-864 tiles: several per block of a persistent kernel
     (3, 12, 12, 777, 1500, "bhnd"),  # uneven causal tiles, several per block
-    (1, 8, 8, 200, 20000, "bhnd"),  # K/V past the L2 budget: a persistent kernel's 2-4 sections
+    (1, 8, 8, 200, 20000, "bhnd"),  # few rows, long K/V: a persistent kernel walks 4-8 sections
 )
 FLOOR = 1e-5
 

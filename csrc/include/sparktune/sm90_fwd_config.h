@@ -9,7 +9,8 @@
 // mbarriers (full: the TMA transaction landed; empty: every consumer warp is done with it).
 //
 // A third switch, kPersistent ("ps1"): one block per SM walks a static list of (row block,
-// head, batch) tiles, heaviest causal tiles first, round robin over the blocks; the barriers are
+// head, batch) tiles, heaviest causal tiles first, in rounds that alternate direction over the
+// blocks (sm90_fwd_kernel.h, sm90_fwd_launch.h); the barriers are
 // set up once, Q has two slots (the next tile's Q lands while the current tile runs), the
 // producer loads the next tile's K/V while the consumers still finish the current tile, and O
 // goes out through its tile's own Q slot, which is released once the epilogue has read it.

@@ -85,36 +85,34 @@ cudaError_t launch_sm90_fwd(FwdParams const& p, cudaStream_t stream) {
                     Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{}),
   };
   dim3 grid(ceil_div(p.seqlen_q, Traits::kBlockM), p.heads_q, p.batch);
-  // sections of (head, batch) pairs whose K and V take at most kL2Budget together, so that
-  // the blocks running at one time share them in L2 (H100/H200: 50 MB of L2)
-  constexpr int64_t kL2Budget = int64_t(24) << 20;
-  const int64_t kv_bytes = int64_t(p.seqlen_k) * Traits::kHeadDim * 2 * int64_t(sizeof(T));
-  const int64_t kv_heads = kv_bytes > 0 ? kL2Budget / kv_bytes : 1;
-  const int64_t pairs = int64_t(p.heads_kv) * p.batch;
-  const int section = int(kv_heads < 1 ? 1 : (kv_heads > pairs ? pairs : kv_heads)) * p.group;
-  // Causal (and persistent) launches take the sectioned order, the heaviest row blocks of a
-  // section first, so that the light ones fill the end of the grid: on an H200, 2-8% more
-  // TFLOP/s than the grid's own order at 2k-8k tokens (BENCHMARKS.md, "Tile order"); the
-  // plain non-causal launch keeps the grid order (every tile the same weight).
-  args.p.tile_section = Traits::kPersistent || p.causal ? section : 0;
-  // Persistent blocks take tiles in static rounds, so the order decides both what shares L2
-  // and how evenly the rounds' work falls on the blocks: small sections, whose tiles running
-  // together read one or two pairs' K and V as in the non-persistent grid order (non-causal:
-  // two pairs; causal: one), except causal launches of 32 row blocks or more a pair: one
-  // section, the heaviest tiles of all pairs first, whose rounds are nearly even (small
-  // sections restart at their heaviest tiles every few rounds, and the blocks that take those
-  // fall behind). Measured on an H200 against 24 MB sections (BENCHMARKS.md, "Persistent
-  // blocks"): two pairs -4% to +8% non-causal from 1k to 8k, one pair -4% to +10% causal at
-  // 512-2k, one section -3% to +10% causal at 4k-8k, per kernel.
   if constexpr (Traits::kPersistent) {
-    const int m_blocks = ceil_div(p.seqlen_q, Traits::kBlockM);
-    args.p.tile_section = !p.causal ? 2 * p.group : m_blocks >= 32 ? 0 : p.group;
-  }
-  if constexpr (Traits::kPersistent) {  // one block per SM (at most one tile each)
+    // Persistent blocks take tiles in static rounds, so the order decides both what shares L2
+    // and how evenly the rounds' work falls on the blocks: small sections, whose tiles running
+    // together read one or two pairs' K and V as in the non-persistent grid order (non-causal:
+    // two pairs; causal: one), except causal launches of 32 row blocks or more a pair: one
+    // section, the heaviest tiles of all pairs first, whose rounds are nearly even (small
+    // sections restart at their heaviest tiles every few rounds, and the blocks that take those
+    // fall behind). Measured on an H200 against 24 MB sections (BENCHMARKS.md, "Persistent
+    // blocks"): two pairs -4% to +8% non-causal from 1k to 8k, one pair -4% to +10% causal at
+    // 512-2k, one section -3% to +10% causal at 4k-8k, per kernel.
+    args.p.tile_section = !p.causal ? 2 * p.group : grid.x >= 32 ? 0 : p.group;
+    // one block per SM (at most one tile each)
     const int64_t tiles = int64_t(grid.x) * grid.y * grid.z;
     int sms = 0;
     if (cudaError_t err = sm_count(sms); err != cudaSuccess) return err;
     grid = dim3(unsigned(tiles < sms ? tiles : sms), 1, 1);
+  } else if (p.causal) {
+    // Causal launches take the sectioned order: the (head, batch) pairs in sections whose K and
+    // V take at most kL2Budget together (H100/H200: 50 MB of L2), the heaviest row blocks of a
+    // section first, so that the light ones fill the end of the grid: on an H200, 2-8% more
+    // TFLOP/s than the grid's own order at 2k-8k tokens (BENCHMARKS.md, "Tile order").
+    constexpr int64_t kL2Budget = int64_t(24) << 20;
+    const int64_t kv_bytes = int64_t(p.seqlen_k) * Traits::kHeadDim * 2 * int64_t(sizeof(T));
+    const int64_t kv_heads = kv_bytes > 0 ? kL2Budget / kv_bytes : 1;
+    const int64_t pairs = int64_t(p.heads_kv) * p.batch;
+    args.p.tile_section = int(kv_heads < 1 ? 1 : (kv_heads > pairs ? pairs : kv_heads)) * p.group;
+  } else {
+    args.p.tile_section = 0;  // the plain non-causal launch keeps the grid order (equal tiles)
   }
   kernel<<<grid, Traits::kThreads, kSmem, stream>>>(args);
   return cudaGetLastError();
