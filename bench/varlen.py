@@ -146,10 +146,14 @@ def _breakdown(args, case, q, k, v, cu, n_max, qb, kb, vb, causal) -> dict:
     """Forward-only candidates that separate the varlen kernel from the API's host path."""
     import sparktune
     from sparktune.kernels import triton_attn
+    from sparktune.kernels.triton_space import default_config_name
+    from sparktune.problem import DeviceInfo, Problem
 
-    cfg = args.config or ("tfwd_m128n128_w8s3" if q.shape[-1] > 64 else "tfwd_m128n64_w8s3")
+    d = q.shape[-1]
+    problem = Problem("fwd", args.dtype, args.batch, q.shape[1], k.shape[1], n_max, n_max, d, causal)
+    cfg = args.config or default_config_name(problem, DeviceInfo.from_torch("cuda"))
     out = torch.empty_like(q)
-    scale = q.shape[-1] ** -0.5
+    scale = d ** -0.5
 
     def kernel_only():
         triton_attn.attention_forward(q, k, v, out, config=cfg, causal=causal, scale=scale,
