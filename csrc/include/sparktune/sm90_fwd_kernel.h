@@ -78,6 +78,13 @@ CUTE_DEVICE void convert_into(Src const& src, Dst& dst) {
       convert(*reinterpret_cast<cutlass::Array<From, N> const*>(src.data()));
 }
 
+// Bytes from a shared-memory pointer to the next multiple of kAlign of its shared address.
+template <int kAlign>
+CUTE_DEVICE int align_pad(const void* smem) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  return int((kAlign - a % kAlign) % kAlign);
+}
+
 // Shared memory of one block, from a 1024-byte aligned base: the Q slots, the K slots, the V
 // slots (each tile a multiple of 1024 bytes, so each starts on a swizzle period), then the
 // barriers.
@@ -126,10 +133,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   FwdParams const& p = args.p;
   extern __shared__ char smem_raw[];
-  // align the dynamic window to 1024 bytes (the swizzle period); kSmemBytes has room for it
-  const Storage st{reinterpret_cast<char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + Traits::kSmemAlign - 1) &
-      ~uintptr_t(Traits::kSmemAlign - 1))};
+  // align the dynamic window to 1024 bytes (the swizzle period; kSmemBytes has room for it) as
+  // smem_raw plus an offset, not through an integer, so that the compiler keeps the pointers in
+  // the shared state space: O's staging in the epilogue then uses shared-memory instructions,
+  // not generic ones
+  const Storage st{smem_raw + sm90::align_pad<Traits::kSmemAlign>(smem_raw)};
 
   // Tiles: (row block, head, batch). The sectioned order (p.tile_section > 0): the (head,
   // batch) pairs in sections of p.tile_section (whose K and V fit in L2 together), each
@@ -596,11 +604,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     // O's staging rows: this warpgroup's rows of the tile's Q slot (free: its last S product
     // has completed; the other warpgroups read only their own rows)
+    // (written with stmatrix and read back through a view whose swizzle applies to offsets, not
+    // to the address as an integer: shared-memory instructions, not generic ones)
     Tensor rO = convert_fragment<T>(acc_o);
-    cute::copy(rO, thr_o.partition_C(sQ));
+    auto copy_o_s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, T>{}, mma_o);
+    auto thr_copy_o_s = copy_o_s.get_thread_slice(ctid);
+    cute::copy(copy_o_s, thr_copy_o_s.retile_S(rO), thr_copy_o_s.partition_D(sQ));
     cutlass::arch::NamedBarrier::sync(128, 1 + cwg);  // the warpgroup's rows are in shared memory
 
-    Tensor sOw = local_tile(sQ, Shape<Int<64>, Int<kHeadDim>>{}, make_coord(cwg, _0{}));
+    Tensor sOw = local_tile(as_position_independent_swizzle_tensor(sQ),
+                            Shape<Int<64>, Int<kHeadDim>>{}, make_coord(cwg, _0{}));
     Tensor tOsO = thr_copy_o.partition_S(sOw);
     CUTE_UNROLL
     for (int m = 0; m < size<1>(tOsO); ++m) {
