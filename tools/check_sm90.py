@@ -30,7 +30,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = "fwd_sm90_f16_d128_m128n128_s2,bwd_sm90_f16_d64_m64n128_s2"
-NVCC_FLAGS = ["-std=c++17", "-O3", "--expt-relaxed-constexpr", "--use_fast_math"]
+# The flags of the CMake Release build (NDEBUG included: CuTe's debug asserts, such as the
+# alignment check of a position-independent swizzled view, are calls to __assertfail, and a
+# call between wgmma instructions makes ptxas serialize them in a build that keeps them)
+NVCC_FLAGS = ["-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr", "--use_fast_math"]
 GENCODE = ["-gencode", "arch=compute_90a,code=sm_90a"]
 
 
@@ -196,6 +199,19 @@ template <class Cfg> int verify(const char* name) {
         const int got = store.offset(v, mt);
         if (want != got && bad++ < 5) printf("dQ tile tid %d v%d m%d: %d, layout %d\n", tid, v, mt, got, want);
       }
+    }
+  }
+  // (6) each consumer warpgroup's part of that tile (its own TMA reduce-add reads it through
+  //     SmemLayoutDqPart from g * block_m * kDqCols floats on) is the tile's layout there
+  {
+    auto Dq = typename Tr::SmemLayoutDq{};
+    auto Part = typename Tr::SmemLayoutDqPart{};
+    constexpr int W = Cfg::kDqCols;
+    for (int g = 0; g < Cfg::kConsumerWarpgroups; ++g) for (int r = 0; r < BM; ++r) for (int c = 0; c < W; ++c) {
+      ++checked;
+      const int whole = Dq.layout_a()(4 * Dq.layout_b()(r, g * W + c)) / 4;
+      const int part = g * BM * W + Part.layout_a()(4 * Part.layout_b()(r, c)) / 4;
+      if (whole != part && bad++ < 5) printf("dQ part %d (%d, %d): %d, tile %d\n", g, r, c, part, whole);
     }
   }
   printf("%s: %d checked, %d mismatches\n", name, checked, bad);

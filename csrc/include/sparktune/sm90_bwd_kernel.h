@@ -12,16 +12,22 @@
 //                   (the consumers load a step's log-sum-exp and D rows from global memory
 //                    two steps ahead and store them into a shared double buffer)
 //     dS^T = P^T * (dP^T - D)
-//     dV += P^T dO,  dK += dS^T Q                       (P^T, dS^T as register operands)
+//     dV += P^T dO                                      (P^T as a register operand)
 //     dQ_part = dS K                                    (dS^T through shared memory)
+//     dK += dS^T Q                                      (dS^T as a register operand)
+// issued in that order, so that dK's product runs while dQ's part goes to shared memory.
 // dK and dV stay in registers for the whole walk (the GQA group's heads included: summed on
-// chip) and are written once. Each step's dQ part goes to a shared fp32 tile, which the
-// producer's third warp adds into the fp32 workspace with one TMA reduce-add while the
-// consumers go on; with a semaphore workspace (deterministic mode) it adds a row block's tile
-// only when the key blocks before this one in a fixed order have added theirs (ascending key
-// blocks; causal: descending, with the grid launched from the last key block, so that no key
-// block waits on one still walking rows it reaches later). dS^T has two shared buffers so that
-// one named barrier per step suffices.
+// chip) and are written once. Each warpgroup writes its columns of a step's dQ part to a
+// shared fp32 tile, which the producer's third warp adds into the fp32 workspace with one TMA
+// reduce-add per warpgroup while the consumers go on; with a semaphore workspace
+// (deterministic mode) it adds a row block's tile only when the key blocks before this one in
+// a fixed order have added theirs (ascending key blocks; causal: descending, with the grid
+// launched from the last key block, so that no key block waits on one still walking rows it
+// reaches later). dS^T has two shared buffers so that one named barrier per step suffices.
+// Every plain shared-memory access (statistics, dQ's tile) goes through pointers derived from
+// the kernel's shared window by offsets, so that it compiles to shared-memory instructions: a
+// base aligned through an integer made them generic loads and stores, whose waits held the
+// consumers (about 30% of the backward's time on an H200).
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -193,17 +199,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kConsumerThreads = Traits::kConsumerThreads;
   constexpr int kConsumerWarps = kConsumerThreads / 32;
   constexpr float kInf = INFINITY;
-  // named barriers (sm90::bar_sync / bar_arrive): the consumer warpgroups' dS^T; between the
-  // consumers and the producer's dQ warp (kHandoff threads), dQ's tile
+  // named barriers (sm90::bar_sync / bar_arrive): the consumer warpgroups' dS^T and their
+  // statistics; between one consumer warpgroup and the producer's dQ warp (kHandoff threads),
+  // that warpgroup's columns of dQ's tile (ids kBarDqFull + g, kBarDqEmpty + g)
   constexpr int kBarDsReady = 1;
-  constexpr int kBarDqFull = 2;
-  constexpr int kBarDqEmpty = 3;
-  constexpr int kBarStats = 4;  // the consumer warpgroups' first statistics buffer
-  constexpr int kHandoff = kConsumerThreads + 32;
-  // dQ's product before dV's and dK's (its stores then overlap them) keeps P^T, dS^T, dQ's
-  // accumulator and dK, dV in registers at once: at head dim 128 ptxas spills 4 B, so there dV
-  // and dK complete first
-  constexpr bool kDqFirst = kHeadDim <= 64;
+  constexpr int kBarStats = 2;
+  constexpr int kBarDqFull = 3;
+  constexpr int kBarDqEmpty = 3 + Traits::kConsumerWarpgroups;
+  static_assert(kBarDqEmpty + Traits::kConsumerWarpgroups <= 16, "16 named barriers");
+  constexpr int kHandoff = 128 + 32;
   static_assert(cosize_v<typename Traits::SmemLayoutK> * sizeof(T) == Traits::kSmemK &&
                     cosize_v<typename Traits::SmemLayoutV> * sizeof(T) == Traits::kSmemV &&
                     cosize_v<typename Traits::SmemLayoutQ> * sizeof(T) == Traits::kSmemQ &&
@@ -212,9 +216,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   BwdParams const& p = args.p;
   extern __shared__ char smem_raw[];
-  const Storage st{reinterpret_cast<char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + Traits::kSmemAlign - 1) &
-      ~uintptr_t(Traits::kSmemAlign - 1))};
+  // The 1024-byte aligned base as smem_raw plus an offset (not through an integer), so that
+  // the compiler keeps it in the shared state space: the statistics and dQ's tile are then
+  // read and written with shared-memory instructions, not generic ones.
+  const Storage st{smem_raw + sm90::align_pad<Traits::kSmemAlign>(smem_raw)};
 
   const bool deterministic = p.dq_semaphore != nullptr;
   // deterministic causal: the grid runs from the last key block (see BwdWalk::turn)
@@ -257,7 +262,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor sDot = make_tensor(make_smem_ptr(st.dout()), typename Traits::SmemLayoutQt{});
   Tensor sDs = make_tensor(make_smem_ptr(st.ds()), typename Traits::SmemLayoutDs{});
   Tensor sDst = make_tensor(make_smem_ptr(st.ds()), typename Traits::SmemLayoutDst{});
-  Tensor sDq = make_tensor(make_smem_ptr(st.dq()), typename Traits::SmemLayoutDq{});
 
   if (warpgroup == 0) {
     // ================================ producer ================================
@@ -298,38 +302,51 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                    tDosDo);
       }
     } else if (warp == 2) {
-      // dQ: each step's tile, once the consumers have written it, added to the workspace
+      // dQ: each consumer warpgroup's columns of a step's tile, once that warpgroup has
+      // written them, added to the workspace (one handoff per warpgroup, so that neither waits
+      // for the other's stores)
       Tensor mDq = args.tma_dq.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
       auto thr_tma_dq = args.tma_dq.get_slice(_0{});
-      Tensor tDqsDq = thr_tma_dq.partition_S(sDq);
       const int steps = walk.steps(p.group);
       for (int t = 0; t < steps; ++t) {
         const sm90::BwdStep<kStages> at(walk, t);
         const int head = kv_head * p.group + at.g;
-        Tensor gDq = local_tile(mDq(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                                make_coord(at.m, _0{}));
-        Tensor tDqgDq = thr_tma_dq.partition_D(gDq);
-        sm90::bar_sync(kBarDqFull, kHandoff);
-        if (lane == 0) {
-          int* sem = nullptr;
-          int turn = 0;
-          if (deterministic) {
-            sem = p.dq_semaphore + (int64_t(batch) * p.heads_q + head) * walk.m_blocks + at.m;
-            turn = sm90::BwdWalk::turn(p, n_block, at.m, kBlockM, kBlockN);
-            while (sm90::load_acquire(sem) != turn) __nanosleep(32);
-            asm volatile("fence.proxy.async.global;" : : : "memory");
+        int* sem = nullptr;
+        int turn = 0;
+        CUTE_UNROLL
+        for (int g = 0; g < Traits::kConsumerWarpgroups; ++g) {
+          Tensor sDqPart = make_tensor(make_smem_ptr(st.dq() + g * kBlockM * Traits::kDqCols),
+                                       typename Traits::SmemLayoutDqPart{});
+          Tensor gDq = local_tile(mDq(_, _, head, batch),
+                                  Shape<Int<kBlockM>, Int<Traits::kDqCols>>{}, make_coord(at.m, g));
+          sm90::bar_sync(kBarDqFull + g, kHandoff);
+          if (lane == 0) {
+            if (deterministic && g == 0) {
+              sem = p.dq_semaphore + (int64_t(batch) * p.heads_q + head) * walk.m_blocks + at.m;
+              turn = sm90::BwdWalk::turn(p, n_block, at.m, kBlockM, kBlockN);
+              while (sm90::load_acquire(sem) != turn) __nanosleep(32);
+              asm volatile("fence.proxy.async.global;" : : : "memory");
+            }
+            cute::copy(args.tma_dq, thr_tma_dq.partition_S(sDqPart), thr_tma_dq.partition_D(gDq));
+            tma_store_arrive();
+            if (!deterministic) tma_store_wait<0>();  // read: the warpgroup may overwrite it
           }
-          cute::copy(args.tma_dq, tDqsDq, tDqgDq);
-          tma_store_arrive();
-          if (deterministic) {
+          __syncwarp();
+          if (!deterministic && t + 1 < steps) sm90::bar_arrive(kBarDqEmpty + g, kHandoff);
+        }
+        if (deterministic) {
+          if (lane == 0) {
             sm90::bulk_wait_complete();  // the sums are in global memory, then the next turn
             sm90::store_release(sem, turn + 1);
-          } else {
-            tma_store_wait<0>();  // the tile is read: the consumers may overwrite it
+          }
+          __syncwarp();
+          if (t + 1 < steps) {
+            CUTE_UNROLL
+            for (int g = 0; g < Traits::kConsumerWarpgroups; ++g) {
+              sm90::bar_arrive(kBarDqEmpty + g, kHandoff);
+            }
           }
         }
-        __syncwarp();
-        if (t + 1 < steps) sm90::bar_arrive(kBarDqEmpty, kHandoff);
       }
       if (lane == 0) sm90::bulk_wait_complete();
     }
@@ -369,22 +386,22 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   // The statistics of step t (log-sum-exp in base 2, +inf past seqlen_q or for a row with no
   // visible key so that P = 0 there; D, 0 past seqlen_q): consumer thread i < 2 block_m loads
-  // one value from global memory in step t - 2 (a whole step for the load to arrive) and
-  // stores it into shared buffer t % 2 before the consumers' dS^T barrier of step t - 1, which
-  // orders it before every read in step t; the next store to that buffer, in step t + 1,
-  // follows step t's barrier, after which no thread reads step t's statistics.
+  // one value from global memory at the end of step t - 2 (a whole step for the load to
+  // arrive; after that step's last fence, which would wait for it) and stores it into shared
+  // buffer t % 2 before the consumers' dS^T barrier of step t - 1, which orders it before
+  // every read in step t; the next store to that buffer, in step t + 1, follows step t's
+  // barrier, after which no thread reads step t's statistics. The load keeps the raw value
+  // (nothing waits for it until the store).
   static_assert(2 * kBlockM <= kConsumerThreads, "one statistic per consumer thread");
   auto load_stat = [&](int t) -> float {
     const sm90::BwdStep<kStages> at(walk, t);
     const int row = at.m * kBlockM + ctid % kBlockM;
     const int64_t i = (int64_t(batch) * p.heads_q + kv_head * p.group + at.g) * p.seqlen_q + row;
-    if (ctid < kBlockM) {
-      const float l = row < p.seqlen_q ? p.lse[i] : -kInf;
-      return l == -kInf ? kInf : l * kLog2e;
-    }
+    if (ctid < kBlockM) return row < p.seqlen_q ? p.lse[i] : -kInf;
     return row < p.seqlen_q ? p.dsum[i] : 0.f;
   };
   auto store_stat = [&](int t, float v) {
+    if (ctid < kBlockM) v = v == -kInf ? kInf : v * kLog2e;
     if (ctid < 2 * kBlockM) st.stats(t & 1)[ctid] = v;
   };
 
@@ -407,13 +424,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         sm90::wgmma_gemm<true, false>(mma_sdp, tPrV, tPrDo(_, _, _, stage), acc_dp);
         float const* lse_s = st.stats(t & 1);
         float const* d_s = lse_s + kBlockM;
+        Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
+        // the statistics of this thread's columns (queries; the same in every row of the
+        // view) into registers while the products run
+        constexpr int kCols = decltype(size<1>(s_rc))::value;
+        float lse_r[kCols], d_r[kCols];
+        CUTE_UNROLL
+        for (int c = 0; c < kCols; ++c) lse_r[c] = lse_s[get<1>(c_rc(0, c))];
         warpgroup_wait<1>();  // S^T is done
         warpgroup_fence_operand(acc_s);
 
         // P^T = exp2(S^T * scale_log2 - lse_log2), zero where the key is not visible
         const bool masked =
             key0 + kBlockN > p.seqlen_k || (p.causal && key0 + kBlockN - 1 > row0 + diag);
-        Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
         CUTE_UNROLL
         for (int r = 0; r < size<0>(s_rc); ++r) {
           const int key = key0 + get<0>(c_rc(r, 0));
@@ -422,9 +445,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             const int qi = get<1>(c_rc(r, c));
             const bool hidden =
                 masked && (key >= p.seqlen_k || (p.causal && key > row0 + qi + diag));
-            s_rc(r, c) = hidden ? 0.f : exp2f(fmaf(s_rc(r, c), p.scale_log2, -lse_s[qi]));
+            s_rc(r, c) = hidden ? 0.f : exp2f(fmaf(s_rc(r, c), p.scale_log2, -lse_r[c]));
           }
         }
+        CUTE_UNROLL
+        for (int c = 0; c < kCols; ++c) d_r[c] = d_s[get<1>(c_rc(0, c))];
         warpgroup_wait<0>();  // dP^T is done
         warpgroup_fence_operand(acc_dp);
         // dS^T = P^T * (dP^T - D)
@@ -433,8 +458,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         for (int r = 0; r < size<0>(dp_rc); ++r) {
           CUTE_UNROLL
           for (int c = 0; c < size<1>(dp_rc); ++c) {
-            const int qi = get<1>(c_rc(r, c));
-            dp_rc(r, c) = s_rc(r, c) * (dp_rc(r, c) - d_s[qi]);
+            dp_rc(r, c) = s_rc(r, c) * (dp_rc(r, c) - d_r[c]);
           }
         }
         Tensor rP = convert_fragment<T>(acc_s);
@@ -443,7 +467,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         cute::copy(copy_ds, thr_copy_ds.retile_S(rDs), tDSsDst(_, _, _, buf));
         cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> wgmma reads
         if (t + 1 < walk.steps(p.group)) store_stat(t + 1, pending);  // ordered by the barrier below
-        if (t + 2 < walk.steps(p.group) && ctid < 2 * kBlockM) pending = load_stat(t + 2);
 
         Tensor tVrP = make_tensor(rP.data(), sm90::acc_as_operand_a(rP.layout()));
         Tensor tKrDs = make_tensor(rDs.data(), sm90::acc_as_operand_a(rDs.layout()));
@@ -451,7 +474,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // dQ's tile to shared memory, for the dQ warp's reduce-add; the tile is free again once
         // that warp's TMA has read the previous step's
         auto stage_dq = [&]() {
-          if (t > 0) sm90::bar_sync(kBarDqEmpty, kHandoff);
+          if (t > 0) sm90::bar_sync(kBarDqEmpty + warpgroup - 1, kHandoff);
           // element pairs (v, v + 1) are neighbouring columns of one row: one 8-byte store each
           static_assert(decltype(size<0>(acc_dq))::value % 2 == 0, "accumulators hold column pairs");
           CUTE_UNROLL
@@ -463,35 +486,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             }
           }
           cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> the TMA's reads
-          sm90::bar_arrive(kBarDqFull, kHandoff);
+          sm90::bar_arrive(kBarDqFull + warpgroup - 1, kHandoff);
         };
-        if constexpr (kDqFirst) {
-          // dQ part = dS K once every warpgroup's keys of dS^T are in shared memory, then
-          // dV += P^T dO and dK += dS^T Q behind it: dQ's stores overlap those two
-          sm90::bar_sync(kBarDsReady, kConsumerThreads);
-          sm90::wgmma_gemm<true, false>(mma_dq, tQrDs(_, _, _, buf), tQrKt, acc_dq);
-          sm90::wgmma_gemm<false, true>(mma_dkv, tVrP, tVrDot(_, _, _, stage), acc_dv);
-          sm90::wgmma_gemm<false, true>(mma_dkv, tKrDs, tKrQt(_, _, _, stage), acc_dk);
-          warpgroup_wait<2>();  // dQ is done
-          warpgroup_fence_operand(acc_dq);
-          stage_dq();
-          warpgroup_wait<0>();  // dV and dK are done: P^T and dS^T leave the registers
-          warpgroup_fence_operand(acc_dv);
-          warpgroup_fence_operand(acc_dk);
-        } else {
-          // dV += P^T dO, dK += dS^T Q; then, once every warpgroup's keys of dS^T are in shared
-          // memory and P^T, dS^T have left the registers, dQ part = dS K
-          sm90::wgmma_gemm<false, true>(mma_dkv, tVrP, tVrDot(_, _, _, stage), acc_dv);
-          sm90::wgmma_gemm<false, true>(mma_dkv, tKrDs, tKrQt(_, _, _, stage), acc_dk);
-          sm90::bar_sync(kBarDsReady, kConsumerThreads);
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(acc_dv);
-          warpgroup_fence_operand(acc_dk);
-          sm90::wgmma_gemm<true, false>(mma_dq, tQrDs(_, _, _, buf), tQrKt, acc_dq);
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(acc_dq);
-          stage_dq();
-        }
+        // dV += P^T dO; then, once every warpgroup's keys of dS^T are in shared memory, dQ part
+        // = dS K and dK += dS^T Q behind it. Waiting for all but the last batch leaves dK's
+        // product running while dQ's tile goes to shared memory, so the tensor cores are not
+        // idle during those stores.
+        sm90::wgmma_gemm<false, true>(mma_dkv, tVrP, tVrDot(_, _, _, stage), acc_dv);
+        sm90::bar_sync(kBarDsReady, kConsumerThreads);
+        sm90::wgmma_gemm<true, false>(mma_dq, tQrDs(_, _, _, buf), tQrKt, acc_dq);
+        sm90::wgmma_gemm<false, true>(mma_dkv, tKrDs, tKrQt(_, _, _, stage), acc_dk);
+        warpgroup_wait<1>();  // dV and dQ are done
+        warpgroup_fence_operand(acc_dq);
+        stage_dq();
+        if (t + 2 < walk.steps(p.group) && ctid < 2 * kBlockM) pending = load_stat(t + 2);
+        warpgroup_wait<0>();  // dK is done: dS^T leaves the registers
+        warpgroup_fence_operand(acc_dv);
+        warpgroup_fence_operand(acc_dk);
         // Q and dO of the slot are read (every lane's reads before the arrive)
         __syncwarp();
         if (lane == 0) empty[stage].arrive();

@@ -57,7 +57,8 @@ cudaError_t launch_sm90_bwd(BwdParams const& p, cudaStream_t stream) {
                                             make_stride(int64_t(Traits::kHeadDim), _1{},
                                                         int64_t(p.seqlen_q) * Traits::kHeadDim,
                                                         int64_t(p.heads_q) * p.seqlen_q * Traits::kHeadDim))),
-                    typename Traits::SmemLayoutDq{}, TileQ{}, _1{}),
+                    typename Traits::SmemLayoutDqPart{},
+                    Shape<Int<Traits::kBlockM>, Int<Traits::kDqCols>>{}, _1{}),
   };
   dim3 row_grid(ceil_div(p.seqlen_q, kRowKernelRows), p.heads_q, p.batch);
   bwd_preprocess_kernel<T><<<row_grid, kRowKernelThreads, 0, stream>>>(p);

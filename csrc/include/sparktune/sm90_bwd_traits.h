@@ -88,6 +88,10 @@ struct Sm90BwdTraits : Config {
   // of 32 floats (the TMA box), so that the accumulator's stores spread over the banks
   using SmemLayoutDq = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{},
                                               Shape<BlockM, HeadDim>{}));
+  // one consumer warpgroup's columns of that tile (its kDqCols columns are whole 32-float
+  // column blocks, so its part is contiguous: warpgroup g's starts at g * block_m * kDqCols)
+  using SmemLayoutDqPart = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{},
+                                                  Shape<BlockM, DqCols>{}));
 
   // ---- TMA: 4-D views (row, head_dim, head, batch) with the caller's strides ----
   using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
@@ -106,8 +110,8 @@ struct Sm90BwdTraits : Config {
   // out the rows past seqlen_q
   using GmemTensorDq = decltype(make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)),
                                             GmemLayout{}));
-  using TmaDq = decltype(make_tma_copy(SM90_TMA_REDUCE_ADD{}, GmemTensorDq{}, SmemLayoutDq{},
-                                       Shape<BlockM, HeadDim>{}, _1{}));
+  using TmaDq = decltype(make_tma_copy(SM90_TMA_REDUCE_ADD{}, GmemTensorDq{}, SmemLayoutDqPart{},
+                                       Shape<BlockM, DqCols>{}, _1{}));
 
   static constexpr int kTmaBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kTmaBytesKV = kBlockN * kHeadDim * int(sizeof(Element));
