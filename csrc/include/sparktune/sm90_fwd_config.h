@@ -8,13 +8,15 @@
 // from registers); K and V stream through a pipeline of `stages` shared-memory slots guarded by
 // mbarriers (full: the TMA transaction landed; empty: every consumer warp is done with it).
 //
-// A third switch, kPersistent ("ps1"): one block per SM walks a static list of (row block,
-// head, batch) tiles, heaviest causal tiles first, in rounds that alternate direction over the
-// blocks (sm90_fwd_kernel.h, sm90_fwd_launch.h); the barriers are set up once, Q has two
-// slots (the next tile's Q lands while the current tile runs), the producer loads the next
-// tile's K/V while the consumers still finish the current tile, and O goes out through its
-// tile's own Q slot, which is released once the epilogue has read it. The producer tells the
-// consumers which tile a Q slot holds through one int per slot next to the barriers.
+// A third switch, kPersistent ("ps1"): one block per SM walks a list of (row block, head,
+// batch) tiles, heaviest causal tiles first, either in static rounds that alternate direction
+// over the blocks or, when the launch is given a tile counter (FwdParams::tile_counter), taking
+// the next tile of the list from that counter whenever it is free (sm90_fwd_kernel.h,
+// sm90_fwd_launch.h); the barriers are set up once, Q has two slots (the next tile's Q lands
+// while the current tile runs), the producer loads the next tile's K/V while the consumers
+// still finish the current tile, and O goes out through its tile's own Q slot, which is
+// released once the epilogue has read it. The producer tells the consumers which tile a Q slot
+// holds through one int per slot next to the barriers.
 //
 // Two scheduling switches (both off: the original kernel, instruction for instruction):
 // - kOverlap ("ov1"): software pipelining inside each consumer warpgroup. A step issues

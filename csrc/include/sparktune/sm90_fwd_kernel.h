@@ -10,8 +10,8 @@
 // through shared memory (the consumer's own rows of the Q tile) in 16-byte rows.
 //
 // Persistent (kPersistent): one block per SM runs tile after tile; only the producer thread
-// walks the block's tiles and tells the consumers each one through the Q slot it loads (see
-// "tile messages" below).
+// walks the block's tiles (static rounds, or the next tile from a global counter) and tells the
+// consumers each one through the Q slot it loads (see "tile messages" below).
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -148,12 +148,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // grid takes tile numbers of the sectioned order, its first one b (next_tile, below).
   const int num_m_blocks = ceil_div(p.seqlen_q, kBlockM);
   const int num_tiles = Traits::kPersistent ? num_m_blocks * p.heads_q * p.batch : 1;
-  // Persistent: the tiles of the sectioned order go out in rounds of gridDim.x, alternately
-  // forward and backward over the blocks (block b takes tile r G + b in even rounds and
-  // r G + G - 1 - b in odd ones), so that under a causal mask no block takes the heaviest tile
-  // of every round; tile numbers past the end are skipped. (Round robin in one direction left
-  // the first blocks with up to a few row blocks more work per round than the last.) A tile
-  // number of num_tiles or more ends the block's walk.
+  // Persistent, static (p.tile_counter null): the tiles of the sectioned order go out in rounds
+  // of gridDim.x, alternately forward and backward over the blocks (block b takes tile r G + b
+  // in even rounds and r G + G - 1 - b in odd ones), so that under a causal mask no block takes
+  // the heaviest tile of every round; tile numbers past the end are skipped. (Round robin in one
+  // direction left the first blocks with up to a few row blocks more work per round than the
+  // last.)
+  // Persistent, dynamic (p.tile_counter set): after tile b a block takes tile
+  // G + atomicAdd(counter, 1) once its producer has issued the loads of its current tile, so
+  // the tiles of the same order go to whichever block is free first: greedy longest-first
+  // scheduling under a causal mask, where the static rounds fix each block's share in advance.
+  // A tile number of num_tiles or more ends the block's walk either way.
   const int rounds = Traits::kPersistent ? ceil_div(num_tiles, int(gridDim.x)) : 1;
   auto round_tile = [&](const int r) {
     if constexpr (!Traits::kPersistent) {
@@ -289,12 +294,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           make_shape(varlen ? p.total_k : p.seqlen_k, kHeadDim, p.heads_kv, views));
       Tensor mV = args.tma_v.get_tma_tensor(
           make_shape(varlen ? p.total_k : p.seqlen_k, kHeadDim, p.heads_kv, views));
-      // block b's tiles: b, then the next tile of its rounds
+      // block b's tiles: b, then the next tile of its static rounds or the counter's next one
       int r = 0;
       auto next_tile = [&]() -> int {
         if constexpr (!Traits::kPersistent) {
           return num_tiles;
         } else {
+          if (p.tile_counter != nullptr) {
+            // (through a warp reduction over this one thread: its result is a uniform register,
+            // like the rest of the walk; the atomic's own vector register would pull the tile
+            // coordinates out of the uniform registers and spill the producer's 24)
+            const int claimed = __reduce_max_sync(1u, unsigned(atomicAdd(p.tile_counter, 1)));
+            // the launch adds num_tiles times in all (once per tile after the first G, once
+            // per block at the end), so the add that returned num_tiles - 1 was the last one:
+            // the counter is left zero for the next launch
+            if (claimed == num_tiles - 1) *p.tile_counter = 0;
+            return int(gridDim.x) + claimed;
+          }
           ++r;
           return r < rounds ? round_tile(r) : num_tiles;
         }
