@@ -150,3 +150,35 @@ def test_dynamic_and_static_schedules_give_the_same_bits(name, monkeypatch):
         torch.cuda.synchronize()
         assert int(counter.item()) == 0, what
         assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1]), what
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", _ps1_kernels()[:2])
+def test_packed_launch_ignores_a_counter(name):
+    from sparktune.problem import DeviceInfo
+
+    if DeviceInfo.from_torch("cuda").arch != 90:
+        pytest.skip("sm_90a kernels run on sm_90 only")
+    b = spark.SparkBackend()
+    info = b.kernel_info(name)
+    dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[info["dtype"]]
+    d, hq, hk = info["head_dim"], 8, 2
+    lens = [5, 1000, 0, 300, 2049]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    total = sum(lens)
+    q = torch.randn(total, hq, d, device="cuda", dtype=dtype)
+    k, v = (torch.randn(total, hk, d, device="cuda", dtype=dtype) for _ in range(2))
+    out = torch.empty_like(q)
+    lse = b.forward(q, k, v, out, config=name, causal=True, scale=d ** -0.5, cu_seqlens_q=cu,
+                    cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+    mod, _ = spark.load_extension()
+    counter = torch.full((1,), 7, dtype=torch.int32, device="cuda")  # not zero: must go unread
+    out2, lse2 = torch.empty_like(q), torch.empty_like(lse)
+    views = [(t.shape[0] * t.stride(0), t.stride(1), t.stride(0)) for t in (q, k, v, out2)]
+    mod.fwd(name, q.data_ptr(), k.data_ptr(), v.data_ptr(), out2.data_ptr(), lse2.data_ptr(),
+            len(lens), hq, hk, max(lens), max(lens), d, *views, d ** -0.5, True,
+            torch.cuda.current_stream().cuda_stream, cu.data_ptr(), cu.data_ptr(), total, total,
+            tile_counter=counter.data_ptr())
+    torch.cuda.synchronize()
+    assert int(counter.item()) == 7
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
