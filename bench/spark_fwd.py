@@ -6,9 +6,12 @@ all measured in this run. A benchmark, not a test: it prints numbers.
     python bench/spark_fwd.py --configs all        # every compiled config, best per shape
     python bench/spark_fwd.py --seqlens 1024,8192 --head-dims 128 --causal 0
     python bench/spark_fwd.py --configs all --each --rounds 3   # every config's own row
+    python bench/spark_fwd.py --configs NAMES --each --schedules static,dynamic
 
 ``--each`` prints every config's TFLOP/s and its ratio to cuDNN, cuDNN and the configs timed
-in ``--rounds`` alternating rounds (the best round of each).
+in ``--rounds`` alternating rounds (the best round of each). ``--schedules`` (with ``--each``)
+times the persistent sm90 kernels (``_ps1``) under each tile schedule in the same rounds, a row
+per config and schedule (``name@static``, ``name@dynamic``; SPARKTUNE_SM90_DYNAMIC otherwise).
 """
 
 from __future__ import annotations
@@ -30,7 +33,13 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="default", help="default | all | comma-separated names")
     ap.add_argument("--each", action="store_true", help="a row per config, alternating rounds")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of --each")
+    ap.add_argument("--schedules", default="",
+                    help="with --each: static,dynamic (or one): the _ps1 kernels' tile schedules, "
+                         "each timed in the same rounds")
     args = ap.parse_args(argv)
+    schedules = [x.strip() for x in args.schedules.split(",") if x.strip()]
+    if any(x not in ("static", "dynamic") for x in schedules) or (schedules and not args.each):
+        ap.error("--schedules takes static and/or dynamic, with --each")
 
     from sparktune.backends.spark import SparkBackend
     from sparktune.problem import DeviceInfo, Problem
@@ -93,12 +102,27 @@ def main(argv=None) -> int:
 
 
 def _each(args, b, p, flops, names, q, k, v, out, causal, d, n, bs, rows) -> None:
-    """cuDNN and every config, timed in alternating rounds; one row per config."""
+    """cuDNN and every config, timed in alternating rounds; one row per config (and per tile
+    schedule of a persistent sm90 kernel with --schedules)."""
+    from sparktune.backends import spark
+
+    def call(nm, dynamic=None):
+        def run():
+            if dynamic is not None:  # read by the backend at each call
+                spark.SM90_DYNAMIC = dynamic
+            b.forward(q, k, v, out, config=nm, causal=causal, scale=d ** -0.5)
+        return run
+
+    schedules = [x.strip() for x in args.schedules.split(",") if x.strip()]
     calls = {"cudnn": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)}
     for name in names:
-        if name is not None:
-            calls[name] = (lambda nm: lambda: b.forward(q, k, v, out, config=nm, causal=causal,
-                                                        scale=d ** -0.5))(name)
+        if name is None:
+            continue
+        if schedules and name.startswith("fwd_sm90_") and name.endswith("_ps1"):
+            for sched in schedules:
+                calls[f"{name}@{sched}"] = call(name, sched == "dynamic")
+        else:
+            calls[name] = call(name)
     best = {label: math.inf for label in calls}
     for _ in range(args.rounds):
         for label, fn in list(calls.items()):
@@ -121,6 +145,11 @@ def _each(args, b, p, flops, names, q, k, v, out, causal, d, n, bs, rows) -> Non
         rows.append((d, causal, n, name, s / cu))
         print(f"{d:>3} {int(causal):>6} {n:>6} {bs:>5} | {s:7.1f} {'':>7} {cu:7.1f} | {'':>7} {s / cu:7.3f} | {name}",
               flush=True)
+    for name in calls:  # both schedules timed: the dynamic one's speed-up
+        if name.endswith("@dynamic") and name.replace("@dynamic", "@static") in calls:
+            gain = best[name.replace("@dynamic", "@static")] / best[name]
+            print(f"# {d} {int(causal)} {n}: {name.removesuffix('@dynamic')} dynamic/static "
+                  f"{gain:.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -140,8 +140,12 @@ void fwd(const std::string& name, uintptr_t q, uintptr_t k, uintptr_t v, uintptr
          uintptr_t lse, int batch, int heads_q, int heads_kv, int seqlen_q, int seqlen_k,
          int head_dim, Strides qs, Strides ks, Strides vs, Strides os, double scale, bool causal,
          uintptr_t stream, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q,
-         int total_k) {
+         int total_k, uintptr_t tile_counter) {
   const KernelInfo& info = find_kernel(name, "fwd");
+  if (tile_counter != 0 && info.family != 90) {
+    throw std::invalid_argument("kernel '" + name +
+                                "' has no tile counter (tile_counter is for family 90)");
+  }
   FwdParams p;
   fill_common(p, info, q, k, v, o, lse, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim,
               qs, ks, vs, os, scale, causal);
@@ -159,6 +163,7 @@ void fwd(const std::string& name, uintptr_t q, uintptr_t k, uintptr_t v, uintptr
     p.total_q = total_q;
     p.total_k = total_k;
   }
+  p.tile_counter = reinterpret_cast<int*>(tile_counter);
   check_launch(info.launch(p, reinterpret_cast<cudaStream_t>(stream)), name);
 }
 
@@ -223,7 +228,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"), py::arg("q_strides"),
         py::arg("k_strides"), py::arg("v_strides"), py::arg("o_strides"), py::arg("scale"),
         py::arg("causal"), py::arg("stream"), py::arg("cu_seqlens_q") = 0,
-        py::arg("cu_seqlens_k") = 0, py::arg("total_q") = 0, py::arg("total_k") = 0);
+        py::arg("cu_seqlens_k") = 0, py::arg("total_q") = 0, py::arg("total_k") = 0,
+        py::arg("tile_counter") = 0);
   m.def("bwd", &bwd, py::arg("name"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
         py::arg("lse"), py::arg("dout"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
         py::arg("dq_accum"), py::arg("dsum"), py::arg("batch"), py::arg("heads_q"),

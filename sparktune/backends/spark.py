@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,27 @@ if TYPE_CHECKING:
 __all__ = ["SparkBackend", "load_extension"]
 
 _DTYPE_TAGS = {"float16": "f16", "bfloat16": "bf16"}
+
+
+def _dynamic_from_env(environ: Any) -> bool:
+    """``SPARKTUNE_SM90_DYNAMIC`` of ``environ``: on unless it is ``0``."""
+    return environ.get("SPARKTUNE_SM90_DYNAMIC", "1").strip() != "0"
+
+
+#: ``SPARKTUNE_SM90_DYNAMIC`` (read once, at import): how the persistent Hopper forward kernels
+#: (``fwd_sm90_*_ps1``) hand out their tiles. Unset or anything but ``0``: dynamically, each
+#: block taking the next tile of the heaviest-first order from a counter (a zeroed int32 tensor
+#: allocated per call) when it is free; ``0``: in the static alternating rounds (no counter).
+#: Both give bit-identical results; packed-sequence calls always take the static rounds.
+SM90_DYNAMIC = _dynamic_from_env(os.environ)
+
+
+def _counts_tiles(config: str) -> bool:
+    """Whether a launch of ``config`` (not packed) gets a tile counter: a persistent sm90
+    forward kernel while the dynamic schedule is on (:data:`SM90_DYNAMIC`). The counter is a
+    torch.zeros per call, kept alive until the launch: under CUDA graphs a memset node, under
+    torch.compile part of the op."""
+    return SM90_DYNAMIC and config.startswith("fwd_sm90_") and config.endswith("_ps1")
 
 
 @functools.lru_cache(maxsize=1)
@@ -251,7 +273,9 @@ class SparkBackend(Backend):
     ) -> torch.Tensor | None:
         """The forward into ``out``; returns the log-sum-exp. Packed sequences (``cu_seqlens_*``
         given): q, k, v, out are (total, heads, head_dim), the log-sum-exp (heads_q, total_q),
-        family 90 kernels only. No other feature is run here (dispatch never sends one)."""
+        family 90 kernels only. No other feature is run here (dispatch never sends one). A
+        persistent sm90 kernel (``_ps1``, not packed) also gets a zeroed tile counter while
+        :data:`SM90_DYNAMIC` is on."""
         import torch
 
         mod, err = load_extension()
@@ -311,13 +335,17 @@ class SparkBackend(Backend):
             config, *ptrs, lse.data_ptr(), b, hq, hk, nq, nk, d, *strides,
             float(scale), bool(causal), stream,
         )
+        extra = {}
         if packed:
             args = (*args, cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), total_q, total_k)
+        elif _counts_tiles(config):  # (packed launches keep the static rounds: no counter)
+            counter = torch.zeros(1, dtype=torch.int32, device=device)
+            extra["tile_counter"] = counter.data_ptr()
         if device.index == torch.cuda.current_device():
-            mod.fwd(*args)
+            mod.fwd(*args, **extra)
         else:  # launch on the tensors' device (its stream, its attributes)
             with torch.cuda.device(device):
-                mod.fwd(*args)
+                mod.fwd(*args, **extra)
         return lse
 
     def forward_runner(
@@ -335,7 +363,8 @@ class SparkBackend(Backend):
         """``run(q, k, v) -> (out, lse)`` for inputs with these shapes, strides, dtype and
         device: :meth:`forward` with its argument list, stride checks and output strides
         (``out``'s) worked out once; per call it checks the data pointers, allocates the
-        output and the log-sum-exp, and launches."""
+        output and the log-sum-exp (and :meth:`forward`'s tile counter where it has one), and
+        launches."""
         import torch
 
         mod, _ = load_extension()
@@ -370,7 +399,23 @@ class SparkBackend(Backend):
             fwd(config, qp, kp, vp, o.data_ptr(), lse.data_ptr(), *fixed, raw_stream(index))
             return o, lse if need_lse else None
 
-        return run
+        if not _counts_tiles(config):
+            return run
+        zeros, i32 = torch.zeros, torch.int32
+
+        def run_counted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+            """``run`` with a fresh zeroed tile counter (a persistent sm90 kernel, dynamic)."""
+            qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+            o = empty_strided(shape, out_stride, dtype=dtype, device=device)
+            if (qp | kp | vp) & 15 or index != current():
+                return o, forward(q, k, v, o)
+            lse = empty((b, hq, nq), dtype=f32, device=device)
+            counter = zeros(1, dtype=i32, device=device)
+            fwd(config, qp, kp, vp, o.data_ptr(), lse.data_ptr(), *fixed, raw_stream(index),
+                tile_counter=counter.data_ptr())
+            return o, lse if need_lse else None
+
+        return run_counted
 
     def backward(
         self,

@@ -43,6 +43,13 @@ struct FwdParams {
   // sections of this many (the query heads of whole kv heads, whose K and V stay in L2
   // together), each section's row blocks heaviest first; 0, the grid's order.
   int tile_section = 0;
+
+  // The family 90 persistent forward (`_ps1`) only; the other kernels never read it. Null: each
+  // block takes its tiles of that order in static rounds. Else a zeroed int32 in device memory
+  // (the caller's, e.g. a fresh torch.zeros(1, dtype=int32) per launch): a block takes its next
+  // tile from it with an atomic add whenever it is free, and the kernel leaves it zero again.
+  // Packed launches keep the static rounds (sm90_fwd_launch.h says why).
+  int* tile_counter = nullptr;
 };
 
 // The backward kernels read the forward's inputs, output and log-sum-exp (the FwdParams part)

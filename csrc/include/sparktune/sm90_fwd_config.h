@@ -8,12 +8,15 @@
 // from registers); K and V stream through a pipeline of `stages` shared-memory slots guarded by
 // mbarriers (full: the TMA transaction landed; empty: every consumer warp is done with it).
 //
-// A third switch, kPersistent ("ps1"): one block per SM walks a static list of (row block,
-// head, batch) tiles, heaviest causal tiles first, in rounds that alternate direction over the
-// blocks (sm90_fwd_kernel.h, sm90_fwd_launch.h); the barriers are
-// set up once, Q has two slots (the next tile's Q lands while the current tile runs), the
-// producer loads the next tile's K/V while the consumers still finish the current tile, and O
-// goes out through its tile's own Q slot, which is released once the epilogue has read it.
+// A third switch, kPersistent ("ps1"): one block per SM walks a list of (row block, head,
+// batch) tiles, heaviest causal tiles first, either in static rounds that alternate direction
+// over the blocks or, when the launch is given a tile counter (FwdParams::tile_counter), taking
+// the next tile of the list from that counter whenever it is free (sm90_fwd_kernel.h,
+// sm90_fwd_launch.h); the barriers are set up once, Q has two slots (the next tile's Q lands
+// while the current tile runs), the producer loads the next tile's K/V while the consumers
+// still finish the current tile, and O goes out through its tile's own Q slot, which is
+// released once the epilogue has read it. The producer tells the consumers which tile a Q slot
+// holds through one int per slot next to the barriers.
 //
 // Two scheduling switches (both off: the original kernel, instruction for instruction):
 // - kOverlap ("ov1"): software pipelining inside each consumer warpgroup. A step issues
@@ -88,9 +91,11 @@ struct Sm90FwdConfig {
   static constexpr int kSmemKVStage = kBlockN * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemK = kStages * kSmemKVStage;
   static constexpr int kSmemV = kStages * kSmemKVStage;
-  // barriers: per Q slot full/empty, and per stage K full/empty and V full/empty (8 bytes each)
+  // barriers: per Q slot full/empty, and per stage K full/empty and V full/empty (8 bytes each);
+  // persistent: then the tile number of each Q slot (4 bytes each)
   static constexpr int kSmemBarriers = (2 * kQSlots + 4 * kStages) * 8;
-  static constexpr int kSmemBarrierPad = (kSmemBarriers + 127) / 128 * 128;
+  static constexpr int kSmemSlotTiles = kPersistent ? kQSlots * 4 : 0;
+  static constexpr int kSmemBarrierPad = (kSmemBarriers + kSmemSlotTiles + 127) / 128 * 128;
   static constexpr int kSmemBytes = kSmemAlign + kSmemQ + kSmemK + kSmemV + kSmemBarrierPad;
   static constexpr int kMaxSmemBytes = 227 * 1024;
 

@@ -8,6 +8,10 @@
 // softmax in registers (base 2), P converted in registers and O += P V on wgmma with P as the
 // register operand. The epilogue divides by the row sums, writes the log-sum-exp, and stores O
 // through shared memory (the consumer's own rows of the Q tile) in 16-byte rows.
+//
+// Persistent (kPersistent): one block per SM runs tile after tile; only the producer thread
+// walks the block's tiles (static rounds, or the next tile from a global counter) and tells the
+// consumers each one through the Q slot it loads (see "tile messages" below).
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -109,6 +113,10 @@ struct SharedStorage {
   CUTE_DEVICE uint64_t* k_empty() const { return barriers() + 2 * kQSlots + Traits::kStages; }
   CUTE_DEVICE uint64_t* v_full() const { return barriers() + 2 * kQSlots + 2 * Traits::kStages; }
   CUTE_DEVICE uint64_t* v_empty() const { return barriers() + 2 * kQSlots + 3 * Traits::kStages; }
+  // persistent: per Q slot, the tile number its current use carries (after the barriers)
+  CUTE_DEVICE int* slot_tile() const {
+    return reinterpret_cast<int*>(barriers() + 2 * kQSlots + 4 * Traits::kStages);
+  }
 };
 
 }  // namespace sm90
@@ -145,14 +153,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // tiles of a section start first and the light ones fill the end. Without kPersistent a block
   // runs the tile of its place in launch order (x fastest) in that order, or of its grid
   // coordinates (row blocks reversed) when p.tile_section is 0; with it, block b of the 1-D
-  // grid runs one tile of each round of gridDim.x tiles of the sectioned order (round_tile).
+  // grid takes tile numbers of the sectioned order, its first one b (next_tile, below).
   const int num_m_blocks = ceil_div(p.seqlen_q, kBlockM);
   const int num_tiles = Traits::kPersistent ? num_m_blocks * p.heads_q * p.batch : 1;
-  // Persistent: the tiles of the sectioned order go out in rounds of gridDim.x, alternately
-  // forward and backward over the blocks (block b takes tile r G + b in even rounds and
-  // r G + G - 1 - b in odd ones), so that under a causal mask no block takes the heaviest tile
-  // of every round; tile numbers past the end are skipped. (Round robin in one direction left
-  // the first blocks with up to a few row blocks more work per round than the last.)
+  // Persistent, static (p.tile_counter null): the tiles of the sectioned order go out in rounds
+  // of gridDim.x, alternately forward and backward over the blocks (block b takes tile r G + b
+  // in even rounds and r G + G - 1 - b in odd ones), so that under a causal mask no block takes
+  // the heaviest tile of every round; tile numbers past the end are skipped. (Round robin in one
+  // direction left the first blocks with up to a few row blocks more work per round than the
+  // last.)
+  // Persistent, dynamic (p.tile_counter set): after tile b a block takes tile
+  // G + atomicAdd(counter, 1) once its producer has issued the loads of its current tile, so
+  // the tiles of the same order go to whichever block is free first: greedy longest-first
+  // scheduling under a causal mask, where the static rounds fix each block's share in advance.
+  // A tile number of num_tiles or more ends the block's walk either way.
   const int rounds = Traits::kPersistent ? ceil_div(num_tiles, int(gridDim.x)) : 1;
   auto round_tile = [&](const int r) {
     if constexpr (!Traits::kPersistent) {
@@ -244,14 +258,35 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
   __syncthreads();
 
-  // Q slot s (tile number r of this block, counting the tiles that load a Q, uses slot
-  // r % kQSlots with barrier phase (r / kQSlots) & 1)
+  // Q slot s (use u of this block, counting the tiles that load a Q and, persistent, the
+  // messages without one, is slot u % kQSlots with barrier phase (u / kQSlots) & 1)
   auto q_slot = [&](const int slot) {
     return make_tensor(make_smem_ptr(st.q(slot)), typename Traits::SmemLayoutQ{});
   };
   Tensor sK = make_tensor(make_smem_ptr(st.k()), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(st.v()), typename Traits::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(st.v()), typename Traits::SmemLayoutVt{});
+
+  // Tile messages (persistent): every tile the producer sends, and at last the end of the walk,
+  // takes the block's next use of a Q slot (use u: slot u % kQSlots, phase (u / kQSlots) & 1).
+  // The producer thread waits until the consumers have released the slot, stores the tile
+  // number in the slot's word, then arrives on the slot's full barrier: with Q's transaction
+  // bytes for a tile with key blocks, without bytes for a tile whose rows see no key (causal,
+  // seqlen_q > seqlen_k: the consumers write zeros) and for the end (tile number num_tiles).
+  // The arrive releases the store and a completed wait on that phase acquires it, so every
+  // consumer thread reads the number after its wait; the consumers release the slot once done
+  // with the tile (after the O staging), before the producer writes its word again. Packed rows
+  // past their sequence's end (nothing to write) get no message. Both sides count the slot uses
+  // alike (q_round), and the consumers never walk the tile order themselves.
+  const uint32_t slot_tile_addr = cute::cast_smem_ptr_to_uint(st.slot_tile());
+  auto send_tile = [&](const int slot, const int t) {
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(slot_tile_addr + 4 * slot), "r"(t) : "memory");
+  };
+  auto receive_tile = [&](const int slot) {
+    int t;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(t) : "r"(slot_tile_addr + 4 * slot) : "memory");
+    return t;
+  };
 
   if (warpgroup == 0) {
     // ================================ producer ================================
@@ -267,20 +302,50 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           make_shape(varlen ? p.total_k : p.seqlen_k, kHeadDim, p.heads_kv, views));
       Tensor mV = args.tma_v.get_tma_tensor(
           make_shape(varlen ? p.total_k : p.seqlen_k, kHeadDim, p.heads_kv, views));
+      // block b's tiles: b, then the next tile of its static rounds or the counter's next one
+      int r = 0;
+      auto next_tile = [&]() -> int {
+        if constexpr (!Traits::kPersistent) {
+          return num_tiles;
+        } else {
+          if (p.tile_counter != nullptr) {
+            // (through a warp reduction over this one thread: its result is a uniform register,
+            // like the rest of the walk; the atomic's own vector register would pull the tile
+            // coordinates out of the uniform registers and spill the producer's 24)
+            const int claimed = __reduce_max_sync(1u, unsigned(atomicAdd(p.tile_counter, 1)));
+            // the launch adds num_tiles times in all (once per tile after the first G, once
+            // per block at the end), so the add that returned num_tiles - 1 was the last one:
+            // the counter is left zero for the next launch
+            if (claimed == num_tiles - 1) *p.tile_counter = 0;
+            return int(gridDim.x) + claimed;
+          }
+          ++r;
+          return r < rounds ? round_tile(r) : num_tiles;
+        }
+      };
       int stage = 0, phase = 0, q_round = 0;
-      for (int r = 0; r < rounds; ++r) {
-        const int t = round_tile(r);
-        if (t >= num_tiles) continue;
+      for (int t = round_tile(0); t < num_tiles; t = next_tile()) {
         const Tile tile = tile_at(t);
         enter(tile.batch);
-        const int n_blocks = key_blocks(tile.m_block * kBlockM);
-        if (n_blocks == 0) continue;
+        const int row0 = tile.m_block * kBlockM;
+        const int n_blocks = key_blocks(row0);
+        const int q_slot_now = q_round % kQSlots;
+        const int q_parity = (q_round / kQSlots) & 1;
+        if (n_blocks == 0) {
+          // rows that see no key: the message alone (no load; the consumers write zeros and
+          // lse -inf); packed rows past their sequence's end: nothing to write, no message
+          if (Traits::kPersistent && row0 < seqlen_q) {
+            q_empty[q_slot_now].wait(q_parity ^ 1);
+            send_tile(q_slot_now, t);
+            q_full[q_slot_now].arrive();
+            ++q_round;
+          }
+          continue;
+        }
         const int kv_head = tile.head / p.group;
         const int view = varlen ? 0 : tile.batch;
         Tensor gQ = local_tile(domain_offset(make_coord(q_first, _0{}), mQ(_, _, tile.head, view)),
                                tile_q, make_coord(tile.m_block, _0{}));
-        const int q_slot_now = q_round % kQSlots;
-        const int q_parity = (q_round / kQSlots) & 1;
         Tensor sQ = q_slot(q_slot_now);
         Tensor gK = local_tile(domain_offset(make_coord(k_first, _0{}), mK(_, _, kv_head, view)),
                                tile_kv, make_coord(_, _0{}));  // (BN,D,n)
@@ -301,6 +366,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         cute::copy(args.tma_k.with(reinterpret_cast<uint64_t&>(k_full[stage])), tKgK(_, n_last),
                    tKsK(_, stage));
         q_empty[q_slot_now].wait(q_parity ^ 1);
+        if constexpr (Traits::kPersistent) send_tile(q_slot_now, t);
         q_full[q_slot_now].arrive_and_expect_tx(Traits::kTmaBytesQ);
         cute::copy(args.tma_q.with(reinterpret_cast<uint64_t&>(q_full[q_slot_now])), tQgQ, tQsQ);
         ++q_round;
@@ -320,6 +386,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             phase ^= 1;
           }
         }
+      }
+      if constexpr (Traits::kPersistent) {  // the end of the walk: a message without a load
+        const int q_slot_now = q_round % kQSlots;
+        q_empty[q_slot_now].wait(((q_round / kQSlots) & 1) ^ 1);
+        send_tile(q_slot_now, num_tiles);
+        q_full[q_slot_now].arrive();
       }
     }
     return;
@@ -348,9 +420,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const float scale_log2 = p.scale_log2;
   int stage = 0, phase = 0, q_round = 0;
 
-  for (int r = 0; r < rounds; ++r) {
-    const int t = round_tile(r);
-    if (t >= num_tiles) continue;
+  // one tile, or (persistent) the tiles of the producer's messages until the end message
+  for (int i = 0; Traits::kPersistent || i == 0; ++i) {
+    const int q_slot_now = q_round % kQSlots;  // this tile's Q slot
+    int t = 0;
+    if constexpr (Traits::kPersistent) {
+      q_full[q_slot_now].wait((q_round / kQSlots) & 1);  // the message, with Q when loaded
+      t = receive_tile(q_slot_now);
+      if (t >= num_tiles) break;
+    }
     const Tile tile = tile_at(t);
     enter(tile.batch);
     const int head = tile.head;
@@ -363,11 +441,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       row_max[r] = kNegInf;
       row_sum[r] = 0.f;
     }
-    // this tile's Q slot (a tile with no key block loads none) and, once it has landed, Q
-    const int q_slot_now = q_round % kQSlots;
+    // this tile's Q (a tile with no key block loads none), once it has landed (persistent: it
+    // has, the message came with it)
     Tensor sQ = q_slot(q_slot_now);
     Tensor tSrQ = thr_s.partition_fragment_A(sQ);  // (MMA, MMA_M, MMA_K): descriptors
-    auto wait_q = [&]() { q_full[q_slot_now].wait((q_round / kQSlots) & 1); };
+    auto wait_q = [&]() {
+      if constexpr (!Traits::kPersistent) q_full[q_slot_now].wait((q_round / kQSlots) & 1);
+    };
     auto step = [&](const int n, auto mask_tag) {
       constexpr bool kMask = decltype(mask_tag)::value;
       // S = Q K^T
@@ -593,12 +673,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     Tensor tOgO = thr_copy_o.partition_D(gO);
     Tensor tOcO = thr_copy_o.partition_D(make_identity_tensor(Shape<Int<64>, Int<kHeadDim>>{}));
     if (Traits::kPersistent && n_blocks == 0) {
-      // no key block, no Q slot of its own (the producer may be filling the next one): zeros
-      // straight to global memory
+      // no key block: its slot carried the message only (no Q to stage O in): zeros straight
+      // to global memory, then the slot is released (nothing of it was written)
       CUTE_UNROLL
       for (int m = 0; m < size<1>(tOgO); ++m) {
         if (wg_row0 + get<0>(tOcO(0, m, 0)) < seqlen_q) clear(tOgO(_, m, _));
       }
+      __syncwarp();
+      if (lane == 0) q_empty[q_slot_now].arrive();
+      ++q_round;
       continue;
     }
 

@@ -86,16 +86,23 @@ cudaError_t launch_sm90_fwd(FwdParams const& p, cudaStream_t stream) {
   };
   dim3 grid(ceil_div(p.seqlen_q, Traits::kBlockM), p.heads_q, p.batch);
   if constexpr (Traits::kPersistent) {
-    // Persistent blocks take tiles in static rounds, so the order decides both what shares L2
-    // and how evenly the rounds' work falls on the blocks: small sections, whose tiles running
+    // Persistent blocks take tiles in static rounds (no tile counter), so the order decides
+    // both what shares L2 and how evenly the rounds' work falls on the blocks: small sections,
+    // whose tiles running
     // together read one or two pairs' K and V as in the non-persistent grid order (non-causal:
     // two pairs; causal: one), except causal launches of 32 row blocks or more a pair: one
     // section, the heaviest tiles of all pairs first, whose rounds are nearly even (small
     // sections restart at their heaviest tiles every few rounds, and the blocks that take those
     // fall behind). Measured on an H200 against 24 MB sections (BENCHMARKS.md, "Persistent
     // blocks"): two pairs -4% to +8% non-causal from 1k to 8k, one pair -4% to +10% causal at
-    // 512-2k, one section -3% to +10% causal at 4k-8k, per kernel.
+    // 512-2k, one section -3% to +10% causal at 4k-8k, per kernel. With a tile counter the
+    // blocks take the same order's tiles as they become free (measured with static rounds).
     args.p.tile_section = !p.causal ? 2 * p.group : grid.x >= 32 ? 0 : p.group;
+    // Packed sequences keep the static rounds: their tile list holds the longest sequence's
+    // row blocks for every sequence, mostly tiles past a shorter sequence's end, which a block
+    // passes over in a few instructions in its static rounds but which would each cost a round
+    // trip to the counter (one global atomic, in series) in the dynamic order.
+    if (packed) args.p.tile_counter = nullptr;
     // one block per SM (at most one tile each)
     const int64_t tiles = int64_t(grid.x) * grid.y * grid.z;
     int sms = 0;
