@@ -17,10 +17,10 @@ PS1 = "fwd_sm90_f16_d64_m128n128_s2_ps1"
 
 
 def test_env_switch():
-    assert spark._dynamic_from_env({}) is True
+    assert spark._dynamic_from_env({}) is False
     assert spark._dynamic_from_env({"SPARKTUNE_SM90_DYNAMIC": "1"}) is True
+    assert spark._dynamic_from_env({"SPARKTUNE_SM90_DYNAMIC": " 1 "}) is True
     assert spark._dynamic_from_env({"SPARKTUNE_SM90_DYNAMIC": "0"}) is False
-    assert spark._dynamic_from_env({"SPARKTUNE_SM90_DYNAMIC": " 0 "}) is False
 
 
 class _FakeModule:

@@ -33,15 +33,18 @@ _DTYPE_TAGS = {"float16": "f16", "bfloat16": "bf16"}
 
 
 def _dynamic_from_env(environ: Any) -> bool:
-    """``SPARKTUNE_SM90_DYNAMIC`` of ``environ``: on unless it is ``0``."""
-    return environ.get("SPARKTUNE_SM90_DYNAMIC", "1").strip() != "0"
+    """``SPARKTUNE_SM90_DYNAMIC`` of ``environ``: on when it is ``1``."""
+    return environ.get("SPARKTUNE_SM90_DYNAMIC", "0").strip() == "1"
 
 
 #: ``SPARKTUNE_SM90_DYNAMIC`` (read once, at import): how the persistent Hopper forward kernels
-#: (``fwd_sm90_*_ps1``) hand out their tiles. Unset or anything but ``0``: dynamically, each
-#: block taking the next tile of the heaviest-first order from a counter (a zeroed int32 tensor
-#: allocated per call) when it is free; ``0``: in the static alternating rounds (no counter).
-#: Both give bit-identical results; packed-sequence calls always take the static rounds.
+#: (``fwd_sm90_*_ps1``) hand out their tiles. ``1``: dynamically, each block taking the next
+#: tile of the heaviest-first order from a counter (a zeroed int32 tensor allocated per call)
+#: when it is free; unset or anything else: in the static alternating rounds (no counter).
+#: Both give bit-identical results; packed-sequence calls always take the static rounds. Off by
+#: default: on an H200 (BENCHMARKS.md, "Dynamic tile schedule") it gained 1-7% for one
+#: non-causal kernel that is not the fastest at any shape and lost up to 7% for causal launches
+#: below 8k tokens (the counter's fill kernel and atomics against rounds already balanced).
 SM90_DYNAMIC = _dynamic_from_env(os.environ)
 
 
