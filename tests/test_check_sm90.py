@@ -171,6 +171,7 @@ def _spark_with(catalogue, monkeypatch):
 
 
 def test_spark_bwd_sm90_default_and_deterministic(monkeypatch):
+    from sparktune.backends import spark as spark_mod
     from sparktune.kernels import kernel_space
     from sparktune.problem import DeviceInfo, Problem
 
@@ -199,10 +200,13 @@ def test_spark_bwd_sm90_default_and_deterministic(monkeypatch):
     assert b._config_reasons(det, b._catalogue()["bwd_sm90_f16_d128_m64n128_s2"], hopper) == []
     assert b.default_config(det, hopper) == "bwd_sm90_f16_d128_m64n128_s2"
     assert b.default_config(det, ampere) is None  # no deterministic backward there
-    # head dim 64: the Hopper default serves deterministic problems only (the family 80
-    # default is faster there, kernel_space.SM90_DETERMINISTIC_ONLY)
+    # head dim 64: the Hopper default serves every problem (kernel_space.SM90_DETERMINISTIC_ONLY
+    # is empty), and a default listed there would serve deterministic problems only
     p64 = Problem("bwd", "float16", 1, 2, 2, 4096, 4096, 64, True)
-    assert ("bwd", 64) in kernel_space.SM90_DETERMINISTIC_ONLY
+    assert ("bwd", 64) not in kernel_space.SM90_DETERMINISTIC_ONLY
+    assert b.default_config(p64, hopper) == "bwd_sm90_f16_d64_m64n128_s2"
+    assert b.default_config(p64.replace(deterministic=True), hopper) == "bwd_sm90_f16_d64_m64n128_s2"
+    monkeypatch.setattr(spark_mod, "SM90_DETERMINISTIC_ONLY", frozenset({("bwd", 64)}))
     assert b.default_config(p64, hopper) == "bwd_sm80_f16_d64_m128n128_w2x4_acc32"
     assert b.default_config(p64.replace(deterministic=True), hopper) == "bwd_sm90_f16_d64_m64n128_s2"
 

@@ -335,19 +335,19 @@ SM90_DEFAULTS = {
     ("fwd", 64): "m192n128_s2",
     ("fwd", 128): "m128n128_s2_ov1_pp1",
     # Backward: two consumer warpgroups of 64 keys, query tiles of 64 (the tiles the register
-    # and shared-memory rules leave). Head dim 128: 1.18-1.34x the family 80 default's backward
-    # on an H200 (bwd-only TFLOP/s, 16k tokens, seqlen 4k and 16k, BENCHMARKS.md); head dim 64:
-    # slower than the family 80 default (SM90_DETERMINISTIC_ONLY). The only backward with a
+    # and shared-memory rules leave). On an H200 (bwd-only TFLOP/s, 16k tokens, seqlen 4k and
+    # 16k, causal and not, the family 80 defaults in the same run, BENCHMARKS.md): head dim 128
+    # 397-492 against 234-275, head dim 64 268-327 against 224-266. The only backward with a
     # deterministic mode.
     ("bwd", 64): "m64n128_s2",
     ("bwd", 128): "m64n128_s2",
 }
 
-#: Hopper defaults that serve deterministic problems only (compiled by the default build, since
-#: only family 90 has that mode): elsewhere the family 80 default is faster. Backward, head dim
-#: 64 on an H200, bwd-only TFLOP/s at 16k tokens (seqlen 4k and 16k, causal and not): family
-#: 80 222-266, family 90 184-217 (BENCHMARKS.md).
-SM90_DETERMINISTIC_ONLY = frozenset({("bwd", 64)})
+#: Hopper defaults that would serve deterministic problems only (compiled by the default build,
+#: since only family 90 has that mode), where the family 80 default is faster. Empty: the
+#: backward at head dim 64 was one (family 90 184-217 against 222-266 bwd-only TFLOP/s on an
+#: H200) until its shared-memory accesses were fixed (268-327).
+SM90_DETERMINISTIC_ONLY: frozenset[tuple[str, int]] = frozenset()
 
 
 #: Declared, compiled (CI compiles one) and checked by ptxas, but not yet passed on a GPU:
