@@ -426,7 +426,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     int t = 0;
     if constexpr (Traits::kPersistent) {
       q_full[q_slot_now].wait((q_round / kQSlots) & 1);  // the message, with Q when loaded
-      t = receive_tile(q_slot_now);
+      // lane 0 reads the word and passes it on, so that the thread that releases the slot
+      // (lane 0's arrive on its empty barrier) is the only reader the producer's next store
+      // to the word has to follow
+      t = __shfl_sync(0xffffffffu, lane == 0 ? receive_tile(q_slot_now) : 0, 0);
       if (t >= num_tiles) break;
     }
     const Tile tile = tile_at(t);
