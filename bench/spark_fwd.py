@@ -37,8 +37,8 @@ def main(argv=None) -> int:
                     help="with --each: static,dynamic (or one): the _ps1 kernels' tile schedules, "
                          "each timed in the same rounds")
     args = ap.parse_args(argv)
-    schedules = [x.strip() for x in args.schedules.split(",") if x.strip()]
-    if any(x not in ("static", "dynamic") for x in schedules) or (schedules and not args.each):
+    args.schedules = [x.strip() for x in args.schedules.split(",") if x.strip()]
+    if any(x not in ("static", "dynamic") for x in args.schedules) or (args.schedules and not args.each):
         ap.error("--schedules takes static and/or dynamic, with --each")
 
     from sparktune.backends.spark import SparkBackend
@@ -113,7 +113,7 @@ def _each(args, b, p, flops, names, q, k, v, out, causal, d, n, bs, rows) -> Non
             b.forward(q, k, v, out, config=nm, causal=causal, scale=d ** -0.5)
         return run
 
-    schedules = [x.strip() for x in args.schedules.split(",") if x.strip()]
+    schedules = args.schedules  # parsed and checked by main
     calls = {"cudnn": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)}
     for name in names:
         if name is None:

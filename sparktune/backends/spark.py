@@ -393,32 +393,24 @@ class SparkBackend(Backend):
             self.forward, config=config, causal=causal, scale=scale, need_lse=need_lse
         )
 
+        counted = _counts_tiles(config)  # a persistent sm90 kernel under the dynamic schedule
+        zeros, i32 = torch.zeros, torch.int32
+
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
             qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
             o = empty_strided(shape, out_stride, dtype=dtype, device=device)
             if (qp | kp | vp) & 15 or index != current():
                 return o, forward(q, k, v, o)  # says what is misaligned; or another device
             lse = empty((b, hq, nq), dtype=f32, device=device)
-            fwd(config, qp, kp, vp, o.data_ptr(), lse.data_ptr(), *fixed, raw_stream(index))
+            if counted:  # a fresh zeroed tile counter, held until the launch is queued
+                counter = zeros(1, dtype=i32, device=device)
+                fwd(config, qp, kp, vp, o.data_ptr(), lse.data_ptr(), *fixed, raw_stream(index),
+                    tile_counter=counter.data_ptr())
+            else:
+                fwd(config, qp, kp, vp, o.data_ptr(), lse.data_ptr(), *fixed, raw_stream(index))
             return o, lse if need_lse else None
 
-        if not _counts_tiles(config):
-            return run
-        zeros, i32 = torch.zeros, torch.int32
-
-        def run_counted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
-            """``run`` with a fresh zeroed tile counter (a persistent sm90 kernel, dynamic)."""
-            qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
-            o = empty_strided(shape, out_stride, dtype=dtype, device=device)
-            if (qp | kp | vp) & 15 or index != current():
-                return o, forward(q, k, v, o)
-            lse = empty((b, hq, nq), dtype=f32, device=device)
-            counter = zeros(1, dtype=i32, device=device)
-            fwd(config, qp, kp, vp, o.data_ptr(), lse.data_ptr(), *fixed, raw_stream(index),
-                tile_counter=counter.data_ptr())
-            return o, lse if need_lse else None
-
-        return run_counted
+        return run
 
     def backward(
         self,

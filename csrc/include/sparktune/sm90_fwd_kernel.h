@@ -273,9 +273,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // number in the slot's word, then arrives on the slot's full barrier: with Q's transaction
   // bytes for a tile with key blocks, without bytes for a tile whose rows see no key (causal,
   // seqlen_q > seqlen_k: the consumers write zeros) and for the end (tile number num_tiles).
-  // The arrive releases the store and a completed wait on that phase acquires it, so every
-  // consumer thread reads the number after its wait; the consumers release the slot once done
-  // with the tile (after the O staging), before the producer writes its word again. Packed rows
+  // The arrive releases the store and a completed wait on that phase acquires it, so lane 0 of
+  // each consumer warp reads the number after its wait (and shuffles it to its warp); that
+  // lane releases the slot once its warp is done with the tile (after the O staging), before
+  // the producer writes its word again. Packed rows
   // past their sequence's end (nothing to write) get no message. Both sides count the slot uses
   // alike (q_round), and the consumers never walk the tile order themselves.
   const uint32_t slot_tile_addr = cute::cast_smem_ptr_to_uint(st.slot_tile());
