@@ -130,6 +130,34 @@ void fill_common(FwdParams& p, const KernelInfo& info, uintptr_t q, uintptr_t k,
   p.causal = causal;
 }
 
+// Packed sequences (cu_seqlens set): the family 90 kernels only, with both boundary arrays and
+// both totals (the boundaries' values are the caller's to check: reading them here would wait
+// for the device).
+void fill_packed(FwdParams& p, const KernelInfo& info, const char* op, uintptr_t cu_seqlens_q,
+                 uintptr_t cu_seqlens_k, int total_q, int total_k) {
+  if (cu_seqlens_q == 0 && cu_seqlens_k == 0) {
+    if (total_q != 0 || total_k != 0) {
+      throw std::invalid_argument("total_q and total_k are for packed sequences (with "
+                                  "cu_seqlens_q and cu_seqlens_k) only");
+    }
+    return;
+  }
+  if (info.family != 90) {
+    throw std::invalid_argument("kernel '" + info.name + "' (family " +
+                                std::to_string(info.family) + " " + op +
+                                ") has no packed-sequence mode (the family 90 forward and "
+                                "backward have: fwd_sm90_*, bwd_sm90_*)");
+  }
+  if (cu_seqlens_q == 0 || cu_seqlens_k == 0 || total_q < 1 || total_k < 1) {
+    throw std::invalid_argument("packed sequences need cu_seqlens_q, cu_seqlens_k and "
+                                "total_q, total_k >= 1");
+  }
+  p.cu_seqlens_q = reinterpret_cast<const int*>(cu_seqlens_q);
+  p.cu_seqlens_k = reinterpret_cast<const int*>(cu_seqlens_k);
+  p.total_q = total_q;
+  p.total_k = total_k;
+}
+
 void check_launch(cudaError_t err, const std::string& name) {
   if (err != cudaSuccess) {
     throw std::runtime_error("kernel '" + name + "' failed to launch: " + cudaGetErrorString(err));
@@ -149,20 +177,7 @@ void fwd(const std::string& name, uintptr_t q, uintptr_t k, uintptr_t v, uintptr
   FwdParams p;
   fill_common(p, info, q, k, v, o, lse, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim,
               qs, ks, vs, os, scale, causal);
-  if (cu_seqlens_q != 0 || cu_seqlens_k != 0) {
-    if (info.family != 90) {
-      throw std::invalid_argument("kernel '" + name +
-                                  "' has no packed-sequence mode (the family 90 forward has)");
-    }
-    if (cu_seqlens_q == 0 || cu_seqlens_k == 0 || total_q < 1 || total_k < 1) {
-      throw std::invalid_argument("packed sequences need cu_seqlens_q, cu_seqlens_k and "
-                                  "total_q, total_k >= 1");
-    }
-    p.cu_seqlens_q = reinterpret_cast<const int*>(cu_seqlens_q);
-    p.cu_seqlens_k = reinterpret_cast<const int*>(cu_seqlens_k);
-    p.total_q = total_q;
-    p.total_k = total_k;
-  }
+  fill_packed(p, info, "fwd", cu_seqlens_q, cu_seqlens_k, total_q, total_k);
   p.tile_counter = reinterpret_cast<int*>(tile_counter);
   check_launch(info.launch(p, reinterpret_cast<cudaStream_t>(stream)), name);
 }
@@ -172,7 +187,8 @@ void bwd(const std::string& name, uintptr_t q, uintptr_t k, uintptr_t v, uintptr
          uintptr_t dq_accum, uintptr_t dsum, int batch, int heads_q, int heads_kv, int seqlen_q,
          int seqlen_k, int head_dim, Strides qs, Strides ks, Strides vs, Strides os, Strides dos,
          Strides dqs, Strides dks, Strides dvs, double scale, bool causal, uintptr_t stream,
-         uintptr_t dq_semaphore) {
+         uintptr_t dq_semaphore, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q,
+         int total_k) {
   const KernelInfo& info = find_kernel(name, "bwd");
   if (dq_semaphore != 0 && info.family != 90) {
     throw std::invalid_argument("kernel '" + name +
@@ -181,6 +197,7 @@ void bwd(const std::string& name, uintptr_t q, uintptr_t k, uintptr_t v, uintptr
   BwdParams p;
   fill_common(p, info, q, k, v, o, lse, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim,
               qs, ks, vs, os, scale, causal);
+  fill_packed(p, info, "bwd", cu_seqlens_q, cu_seqlens_k, total_q, total_k);
   p.dout = reinterpret_cast<const void*>(dout);
   p.dq = reinterpret_cast<void*>(dq);
   p.dk = reinterpret_cast<void*>(dk);
@@ -237,5 +254,6 @@ PYBIND11_MODULE(_C, m) {
         py::arg("q_strides"), py::arg("k_strides"), py::arg("v_strides"), py::arg("o_strides"),
         py::arg("dout_strides"), py::arg("dq_strides"), py::arg("dk_strides"),
         py::arg("dv_strides"), py::arg("scale"), py::arg("causal"), py::arg("stream"),
-        py::arg("dq_semaphore") = 0);
+        py::arg("dq_semaphore") = 0, py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0,
+        py::arg("total_q") = 0, py::arg("total_k") = 0);
 }

@@ -391,8 +391,12 @@ def varlen_attention(
         ``(out, lse)``. Differentiable in q, k and v.
 
     Dispatch chooses among the backends that declare "varlen" for the packed problem (key:
-    batch = B, seqlen = the longest sequences, plus the totals). Where only the reference math
-    can run it (and no backend was forced), each sequence runs as its own
+    batch = B, seqlen = the longest sequences, plus the totals), for the forward and, with
+    gradients, for the backward (the "bwd" problem, with ``deterministic``): with no record
+    and no other feature, on sm_90 the Hopper kernels first (``fwd_sm90_*`` and
+    ``bwd_sm90_*``, the backward from the forward's output and log-sum-exp), otherwise (other
+    features, other GPUs) the Triton family first (docs/FEATURES.md). Where only the reference
+    math can run it (and no backend was forced), each sequence runs as its own
     :func:`attention` call instead, on the fastest kernel for it: exact, a launch per
     sequence (with dropout, each sequence then draws its own mask).
     """

@@ -79,24 +79,37 @@ def test_attention_features_default_to_the_triton_family_on_a_gpu(features):
     p = problem(dtype="bfloat16", heads_q=16, heads_kv=16, head_dim=128, causal=True, **features)
     sel = _resolve.heuristic_default(p, HOPPER, registered=reg)
     assert sel.candidate.backend == "triton" and sel.source == "default", sel
-    if p.varlen:  # the Hopper forward comes first there, and cannot run here
-        assert "the Hopper forward first, then the Triton family" in sel.detail
-        assert _resolve.default_order(HOPPER, p) == _resolve.HOPPER_VARLEN_FWD_ORDER
-        p = dataclasses.replace(p, op="bwd")
-    assert "Triton family" in _resolve.heuristic_default(p, HOPPER, registered=reg).detail
-    assert _resolve.default_order(HOPPER, p) == _resolve.FEATURE_DEFAULT_ORDER
-    assert _resolve.default_order(VOLTA, p) == _resolve.VOLTA_DEFAULT_ORDER
-    assert _resolve.default_order(None, p) == _resolve.DEFAULT_ORDER
+    if p.varlen:  # the Hopper kernels come first there, forward and backward, and cannot run here
+        for op in ("fwd", "bwd"):
+            pv = dataclasses.replace(p, op=op)
+            sel = _resolve.heuristic_default(pv, HOPPER, registered=reg)
+            assert sel.candidate.backend == "triton", sel
+            assert "the Hopper kernels first (forward and backward), then the Triton family" in sel.detail
+            assert _resolve.default_order(HOPPER, pv) == _resolve.HOPPER_VARLEN_ORDER
+        p = dataclasses.replace(p, window_left=256)  # with another feature: the Triton family first
+    for op in ("fwd", "bwd"):
+        p = dataclasses.replace(p, op=op)
+        assert "Triton family" in _resolve.heuristic_default(p, HOPPER, registered=reg).detail
+        assert _resolve.default_order(HOPPER, p) == _resolve.FEATURE_DEFAULT_ORDER
+        assert _resolve.default_order(VOLTA, p) == _resolve.VOLTA_DEFAULT_ORDER
+        assert _resolve.default_order(None, p) == _resolve.DEFAULT_ORDER
     plain = problem(dtype="bfloat16", heads_q=16, heads_kv=16, head_dim=128, causal=True)
     assert _resolve.heuristic_default(plain, HOPPER, registered=reg).candidate == Candidate("torch", AUTO)
 
 
-class _StandInHopperForward(ReferenceBackend):
-    """Stands in for the spark backend on an H200: its family 90 forward runs packed sequences
-    (and nothing else with features); its backward does not."""
+class _StandInHopper(ReferenceBackend):
+    """Stands in for the spark backend on an H200: its family 90 forward and backward run packed
+    sequences (the backward deterministic too), and nothing else with features."""
 
     name = "spark"
     features = frozenset({"deterministic", "varlen"})
+
+    def not_supported_reasons(self, problem, config=None, device=None):
+        return [] if device is not None else ["needs CUDA"]
+
+
+class _StandInHopperForwardOnly(_StandInHopper):
+    """The same with no packed-sequence backward (a build without bwd_sm90 kernels)."""
 
     def not_supported_reasons(self, problem, config=None, device=None):
         if device is None:
@@ -104,17 +117,30 @@ class _StandInHopperForward(ReferenceBackend):
         return ["no packed-sequence backward"] if problem.varlen and problem.op == "bwd" else []
 
 
-def test_packed_sequences_forward_on_hopper_defaults_to_the_hopper_family():
-    reg = {**_registered(), "triton": _StandInTriton(), "spark": _StandInHopperForward()}
+def test_packed_sequences_on_hopper_default_to_the_hopper_family():
+    """The forward and the backward (deterministic or not) of packed sequences with no other
+    feature, on sm_90 and with no record: the Hopper kernels first (a packed training call runs
+    the sm90 forward and the sm90 backward); with another feature, or on another GPU, the
+    Triton family; where the spark backend cannot run the backward, the Triton family runs it."""
+    reg = {**_registered(), "triton": _StandInTriton(), "spark": _StandInHopper()}
     varlen = dict(varlen=True, batch=8, seqlen_q=2048, seqlen_k=2048, total_q=16384, total_k=16384)
     p = problem(dtype="bfloat16", heads_q=16, heads_kv=16, head_dim=128, causal=True, **varlen)
-    sel = _resolve.heuristic_default(p, HOPPER, registered=reg)
-    assert sel.candidate.backend == "spark" and "the Hopper forward first" in sel.detail, sel
-    # its backward, another feature with it, or another GPU: the Triton family
-    for other, device in ((dataclasses.replace(p, op="bwd"), HOPPER),
-                          (dataclasses.replace(p, window_left=256), HOPPER),
-                          (p, dataclasses.replace(HOPPER, capability=(8, 0)))):
-        assert _resolve.heuristic_default(other, device, registered=reg).candidate.backend == "triton"
+    ops = (p, dataclasses.replace(p, op="bwd"), dataclasses.replace(p, op="bwd", deterministic=True))
+    for q in ops:
+        sel = _resolve.heuristic_default(q, HOPPER, registered=reg)
+        assert sel.candidate.backend == "spark" and "the Hopper kernels first" in sel.detail, (q, sel)
+        assert _resolve.default_order(HOPPER, q) == _resolve.HOPPER_VARLEN_ORDER
+    # another feature with it, or another GPU: the Triton family
+    for q in ops:
+        for other, device in ((dataclasses.replace(q, window_left=256), HOPPER),
+                              (q, dataclasses.replace(HOPPER, capability=(8, 0)))):
+            assert _resolve.heuristic_default(other, device, registered=reg).candidate.backend == "triton"
+    # a spark build without the packed backward: the forward stays on it, the backward moves on
+    reg["spark"] = _StandInHopperForwardOnly()
+    assert _resolve.heuristic_default(p, HOPPER, registered=reg).candidate.backend == "spark"
+    for q in ops[1:]:
+        sel = _resolve.heuristic_default(q, HOPPER, registered=reg)
+        assert sel.candidate.backend == "triton" and "the Hopper kernels first" in sel.detail, sel
 
 
 @pytest.fixture

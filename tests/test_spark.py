@@ -108,22 +108,30 @@ def test_one_kernel_of_each_atom_compiles_for_sm80(tmp_path):
 
 
 # ---------------------------------------------------------------- CPU: capabilities
-def test_packed_problems_run_on_the_hopper_forward_only():
+def test_packed_problems_run_on_the_hopper_family_only():
     """varlen is declared by the backend, and each kernel says whether it runs it: the family 90
-    forward does; the other families and every backward refuse with the reason."""
+    forward and backward do (the backward deterministic too); the other families refuse with
+    the reason, forward and backward."""
     import dataclasses
 
     b = SparkBackend()
     assert "varlen" in b.features
     p = Problem("fwd", "bfloat16", 8, 16, 16, 2048, 2048, 128, True, False, varlen=True,
                 total_q=16384, total_k=16384)
+    bwd = dataclasses.replace(p, op="bwd")
     k90 = dict(dtype="bfloat16", head_dim=128, accum=32, family=90, op="fwd")
     assert b._config_reasons(p, k90, None) == []
-    for kernel, problem in (({**k90, "family": 80}, p), ({**k90, "op": "bwd"}, dataclasses.replace(p, op="bwd"))):
-        reasons = b._config_reasons(problem, kernel, None)
-        assert any("family 90 forward only" in r for r in reasons), reasons
+    assert b._config_reasons(bwd, {**k90, "op": "bwd"}, None) == []
+    assert b._config_reasons(dataclasses.replace(bwd, deterministic=True), {**k90, "op": "bwd"}, None) == []
+    for family in (80, 70):
+        for problem in (p, bwd):
+            kernel = {**k90, "family": family, "op": problem.op}
+            reasons = b._config_reasons(problem, kernel, None)
+            assert any("family 90 forward and backward only" in r and f"family {family} {problem.op}" in r
+                       for r in reasons), reasons
     dense = dataclasses.replace(p, varlen=False, total_q=0, total_k=0)
     assert b._config_reasons(dense, {**k90, "family": 80}, None) == []
+    assert b._config_reasons(dataclasses.replace(dense, op="bwd"), {**k90, "family": 80, "op": "bwd"}, None) == []
 
 
 def test_backend_without_gpu_says_why():
@@ -312,12 +320,13 @@ def test_sm90_packed_sequences_match_float64_reference(name):
 @needs_ext
 def test_packed_training_call_on_hopper_matches_float64_reference():
     """A packed causal call with gradients and no backend forced, on sm_90: dispatch runs the
-    sm90 forward (HOPPER_VARLEN_FWD_ORDER) and the Triton backward from its output and
-    log-sum-exp; out, dq, dk, dv against float64 autograd, within twice the error of the same
-    call run by the Triton family alone (plus 1e-5)."""
+    sm90 forward and the sm90 backward (HOPPER_VARLEN_ORDER), the backward from the forward's
+    output and log-sum-exp; out, dq, dk, dv against float64 autograd, within twice the error of
+    the same call run by the Triton family alone (plus 1e-5)."""
     import importlib
 
     import sparktune
+    from sparktune import dispatch
     from tests._features_oracle import varlen_oracle
 
     _resolve = importlib.import_module("sparktune.dispatch._resolve")
@@ -325,11 +334,17 @@ def test_packed_training_call_on_hopper_matches_float64_reference():
     dev = DeviceInfo.from_torch("cuda")
     if dev.arch != 90 or "fwd_sm90_bf16_d128_m128n128_s2_ov1_pp1" not in KERNELS:
         pytest.skip("needs sm_90 and fwd_sm90_bf16_d128_m128n128_s2_ov1_pp1 (the default)")
+    bwd_default = "bwd_sm90_bf16_d128_m64n128_s2"
+    if bwd_default not in [k["name"] for k in _C.kernels()]:
+        pytest.skip(f"needs {bwd_default} (the default)")
     lq, hq, hk, d = [300, 1, 1000, 0, 513], 8, 2, 128
     cu = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     p = Problem("fwd", "bfloat16", len(lq), hq, hk, max(lq), max(lq), d, True, False, varlen=True,
                 total_q=sum(lq), total_k=sum(lq))
-    assert _resolve.default_order(dev, p) == _resolve.HOPPER_VARLEN_FWD_ORDER
+    assert _resolve.default_order(dev, p) == _resolve.HOPPER_VARLEN_ORDER
+    for op, family in (("fwd", "fwd_sm90_"), ("bwd", "bwd_sm90_")):
+        chosen = dispatch.select(p.replace(op=op), dev).candidate
+        assert chosen.backend == "spark" and chosen.config.startswith(family), (op, chosen)
     gen = torch.Generator(device="cuda").manual_seed(3)
     q, k, v = (torch.randn(sum(lq), h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
                for h in (hq, hk, hk))

@@ -225,3 +225,253 @@ def test_default_backward_config_is_compiled_and_runs():
     if name is None:
         pytest.skip("; ".join(b.not_supported_reasons(p, None, dev)))
     assert name.startswith("bwd_") and not b.not_supported_reasons(p, name, dev)
+
+
+# ---------------------------------------------------------------- packed sequences (varlen)
+I32 = torch.int32
+SM90_PACKED = "bwd_sm90_f16_d64_m64n128_s2"  # (a name: the CPU checks below never launch it)
+
+
+def _cu(lengths, device="cpu"):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=I32, device=device)
+
+
+def _packed_args(device="cpu", dtype=torch.float16, d=64, **changes):
+    """A valid packed backward call of two sequences (4 and 6 queries, 5 and 7 keys; 4 query
+    heads, 2 kv heads), with ``changes`` applied to its arguments."""
+    lq, lk, hq, hk = [4, 6], [5, 7], 4, 2
+    q = torch.randn(sum(lq), hq, d, device=device, dtype=dtype)
+    k = torch.randn(sum(lk), hk, d, device=device, dtype=dtype)
+    args = dict(
+        dout=torch.randn_like(q), q=q, k=k, v=torch.randn_like(k), out=torch.randn_like(q),
+        lse=torch.randn(hq, sum(lq), device=device), dq=torch.empty_like(q),
+        dk=torch.empty_like(k), dv=torch.empty_like(k), config=SM90_PACKED, causal=True,
+        scale=d ** -0.5, cu_seqlens_q=_cu(lq, device), cu_seqlens_k=_cu(lk, device),
+        max_seqlen_q=max(lq), max_seqlen_k=max(lk),
+    )  # fmt: skip
+    args.update(changes)
+    return args
+
+
+def _call(b, args):
+    args = dict(args)
+    pos = [args.pop(n) for n in ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")]
+    return b.backward(*pos, **args)
+
+
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        (dict(config="bwd_sm80_f16_d64_m128n64_w8x1_acc32"),
+         r"packed sequences run on the family 90 kernels only \(bwd_sm90_\*"),
+        (dict(q=torch.zeros(1, 10, 4, 64, dtype=torch.float16)),
+         r"packed sequences need \(total, heads, head_dim\) tensors: q has shape \(1, 10, 4, 64\)"),
+        (dict(lse=torch.zeros(1, 4, 10)), r"lse must be float32 of shape \(4, 10\)"),
+        (dict(lse=torch.zeros(4, 10, dtype=torch.float64)), r"lse must be float32 of shape \(4, 10\)"),
+        (dict(cu_seqlens_k=torch.tensor([0, 5, 12])), r"cu_seqlens_k must be a contiguous 1-d int32 tensor"),
+        (dict(max_seqlen_q=None), r"varlen needs cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k"),
+        (dict(cu_seqlens_k=None), r"varlen needs cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k"),
+        (dict(max_seqlen_k=6), r"max_seqlen_k \(6\) is smaller than the longest sequence \(7\)"),
+        (dict(cu_seqlens_q=_cu([4, 5])), r"the last entry of cu_seqlens_q \(9\) must be the number of packed tokens \(10\)"),
+        (dict(cu_seqlens_q=_cu([4, 6, 0])), r"cu_seqlens_q \(4,\) and cu_seqlens_k \(3,\) must have the same length"),
+        (dict(window=(2, 2)), r"runs packed sequences, deterministic mode and plain attention only, not \['window'\]"),
+        (dict(dk=torch.empty(12, 4, 64, dtype=torch.float16)), r"dk has shape \(12, 4, 64\), expected \(12, 2, 64\)"),
+        (dict(v=torch.zeros(12, 2, 32, dtype=torch.float16)), r"k and v must be \(total_k, heads_kv, 64\) alike"),
+        (dict(dq=torch.empty(10, 4, 64, dtype=torch.bfloat16)), r"dq is torch.bfloat16 on cpu, q is torch.float16"),
+        (dict(out=torch.zeros(10, 4, 72, dtype=torch.float16)[..., 4:68]),
+         r"16-byte aligned rows: out's data pointer"),
+        (dict(dout=torch.zeros(10, 4, 68, dtype=torch.float16)[..., :64]),
+         r"16-byte aligned rows: dout's data pointer and its batch, head and row strides"),
+        (dict(scale=0.0), r"scale must be a finite positive number"),
+        ({}, r"spark kernels need CUDA tensors, the inputs are on cpu"),
+    ],
+)
+def test_packed_backward_arguments_say_what_is_wrong(changes, match):
+    """The packed backward's checks, all before the compiled module is reached (no GPU or
+    extension needed): the kernel family, the (total, H, D) shapes, the (Hq, total_q)
+    log-sum-exp, the boundaries as the forward takes them and their values as
+    varlen_attention checks them, the features, dtypes, alignment; valid CPU tensors are
+    refused last."""
+    with pytest.raises(ValueError, match=match):
+        _call(SparkBackend(), _packed_args(**changes))
+
+
+def test_packed_backward_with_no_query_or_no_key_writes_zeros():
+    """No key at all (or no query at all): every gradient is 0, written without a launch."""
+    hq, hk, d = 4, 2, 64  # (as _packed_args)
+    b = SparkBackend()
+    for lk in ([0, 0], None):
+        if lk is None:  # no query: total_q 0, the keys of both sequences see nothing
+            args = _packed_args()
+            q = torch.zeros(0, hq, d, dtype=torch.float16)
+            args.update(q=q, out=q.clone(), dout=q.clone(), dq=q.clone(), lse=torch.zeros(hq, 0),
+                        cu_seqlens_q=_cu([0, 0]), max_seqlen_q=0)
+        else:
+            k = torch.zeros(0, hk, d, dtype=torch.float16)
+            args = _packed_args(k=k, v=k.clone(), dk=k.clone(), dv=k.clone(),
+                                cu_seqlens_k=_cu(lk), max_seqlen_k=0)
+        for g in ("dq", "dk", "dv"):
+            args[g].fill_(float("nan"))
+        _call(b, args)
+        for g in ("dq", "dk", "dv"):
+            assert torch.equal(args[g], torch.zeros_like(args[g])), g
+    # a max length 0 while a sequence has keys is a wrong max length, not an empty batch
+    with pytest.raises(ValueError, match=r"max_seqlen_k \(0\) is smaller than the longest sequence \(7\)"):
+        _call(b, _packed_args(max_seqlen_k=0))
+
+
+#: packed batches for the family 90 backward: (query lengths, key lengths, heads_q, heads_kv).
+#: Odd lengths whose sequences start anywhere in a tile, an empty sequence, a sequence with
+#: queries and no key and one with keys and no query, seqlen_q != seqlen_k both ways (causal
+#: rows that see no key), several key blocks per sequence (4097 keys), GQA 4:1, 3:1 (MQA).
+VARLEN_CASES = [
+    ([1, 17, 1000, 0, 4097, 129], [1, 17, 1000, 0, 4097, 129], 4, 4),
+    ([5, 300, 64, 9, 0, 200], [700, 3, 64, 0, 33, 200], 8, 2),
+    ([333, 1], [129, 2048], 3, 1),
+]
+SM90_KERNELS = [n for n in KERNELS if n.startswith("bwd_sm90_")]
+
+
+def _packed_problem(dtype, d, lq, lk, hq, hk, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(sum(lq), hq, d, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(sum(lk), hk, d, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(sum(lk), hk, d, device="cuda", dtype=dtype, generator=gen)
+    dout = torch.randn(sum(lq), hq, d, device="cuda", dtype=dtype, generator=gen)
+    return q, k, v, dout, _cu(lq, "cuda"), _cu(lk, "cuda")
+
+
+def _packed_backward(b, name, dout, q, k, v, out, lse, cu_q, cu_k, lq, lk, causal, deterministic,
+                     scale=None):
+    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    b.backward(dout, q, k, v, out, lse, *grads, config=name, causal=causal, scale=scale,
+               deterministic=deterministic, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+               max_seqlen_q=max(lq), max_seqlen_k=max(lk))
+    torch.cuda.synchronize()
+    return grads
+
+
+def _check_packed_grads(grads, q, k, v, dout, lq, lk, causal, what) -> list:
+    """Every element written; per sequence dq, dk, dv within the 2x rule against float64
+    autograd of that sequence alone (a sequence's rows as a (1, H, n, D) view); the rows of a
+    sequence with no key (dq) or no query (dk, dv) exactly 0."""
+    for g, gname in zip(grads, ("dq", "dk", "dv"), strict=True):
+        assert not torch.isnan(g).any(), f"{what}: unwritten or NaN {gname}"
+    view = lambda t, a, z: t[a:z].transpose(0, 1).unsqueeze(0)  # noqa: E731
+    scale = q.shape[-1] ** -0.5
+    cq, ck = _cu(lq).tolist(), _cu(lk).tolist()
+    tols = []
+    for s in range(len(lq)):
+        q0, q1, k0, k1 = cq[s], cq[s + 1], ck[s], ck[s + 1]
+        if q1 == q0 or k1 == k0:  # nothing to see or nobody looking: zero gradients
+            for g, a, z, gname in ((grads[0], q0, q1, "dq"), (grads[1], k0, k1, "dk"), (grads[2], k0, k1, "dv")):
+                assert torch.equal(g[a:z], torch.zeros_like(g[a:z])), f"{what} seq {s}: {gname} not 0"
+            continue
+        seq = (view(grads[0], q0, q1), view(grads[1], k0, k1), view(grads[2], k0, k1))
+        tols += assert_grads_close_to_reference(
+            seq, view(q, q0, q1), view(k, k0, k1), view(v, k0, k1), view(dout, q0, q1),
+            causal=causal, scale=scale, what=f"{what} seq {s} ({q1 - q0}/{k1 - k0})")
+    return tols
+
+
+@pytest.mark.gpu
+@needs_ext
+@pytest.mark.parametrize("name", SM90_KERNELS)
+def test_sm90_packed_gradients_match_float64_reference(name):
+    """Every family 90 backward on packed (total, H, D) batches (VARLEN_CASES), causal and
+    not, from the float64 forward's output (rounded to the input dtype) and (Hq, total_q)
+    log-sum-exp: each sequence's dq, dk, dv within the 2x rule (:func:`_check_packed_grads`);
+    a second run gives the same dk and dv bits and a dq that differs by rounding at most."""
+    from sparktune.backends.reference import reference_attention
+
+    b = SparkBackend()
+    _, dtype, d, _ = _runnable(b, name)  # (skips where the GPU is not sm_90)
+    eps = torch.finfo(dtype).eps
+    results = []
+    for i, (lq, lk, hq, hk) in enumerate(VARLEN_CASES):
+        q, k, v, dout, cu_q, cu_k = _packed_problem(dtype, d, lq, lk, hq, hk, seed=i)
+        for causal in (False, True):
+            what = f"{name} {lq} {lk} {hq}/{hk} causal={causal}"
+            out, lse = reference_attention(q, k, v, causal, d ** -0.5, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+            out, lse = out.to(dtype), lse.float()
+            assert tuple(lse.shape) == (hq, sum(lq))
+            args = (b, name, dout, q, k, v, out, lse, cu_q, cu_k, lq, lk, causal)
+            grads = _packed_backward(*args, False)
+            results += _check_packed_grads(grads, q, k, v, dout, lq, lk, causal, what)
+            again = _packed_backward(*args, False)
+            assert torch.equal(grads[1], again[1]) and torch.equal(grads[2], again[2]), (
+                f"{what}: dk/dv moved between runs"
+            )
+            dq_move = float((grads[0].float() - again[0].float()).abs().max())
+            dq_size = float(grads[0].float().abs().max())
+            assert dq_move <= 2 * eps * dq_size + 1e-6, f"{what}: dq moved by {dq_move:.3g} between runs"
+    print("\n".join(str(t) for t in results))
+
+
+@pytest.mark.gpu
+@needs_ext
+@pytest.mark.parametrize("name", SM90_KERNELS)
+def test_sm90_packed_deterministic_gradients_are_repeatable(name):
+    """The deterministic mode on packed batches: three runs give the same dq, dk and dv (the
+    dQ counters per sequence, query head and row block; the tiles' rows past a sequence add
+    only zeros to the next one's rows), within the 2x rule as well."""
+    from sparktune.backends.reference import reference_attention
+
+    b = SparkBackend()
+    _, dtype, d, _ = _runnable(b, name)  # (skips where the GPU is not sm_90)
+    for i, (lq, lk, hq, hk) in enumerate(VARLEN_CASES):
+        q, k, v, dout, cu_q, cu_k = _packed_problem(dtype, d, lq, lk, hq, hk, seed=10 + i)
+        for causal in (False, True):
+            what = f"{name} deterministic {lq} {lk} {hq}/{hk} causal={causal}"
+            out, lse = reference_attention(q, k, v, causal, d ** -0.5, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+            args = (b, name, dout, q, k, v, out.to(dtype), lse.float(), cu_q, cu_k, lq, lk, causal)
+            runs = [_packed_backward(*args, True) for _ in range(3)]
+            _check_packed_grads(runs[0], q, k, v, dout, lq, lk, causal, what)
+            for r in runs[1:]:
+                for g0, g, gname in zip(runs[0], r, ("dq", "dk", "dv"), strict=True):
+                    assert torch.equal(g0, g), f"{what}: {gname} differs between deterministic runs"
+
+
+@pytest.mark.gpu
+@needs_ext
+def test_packed_training_call_forced_to_spark_runs_the_sm90_backward():
+    """``varlen_attention(..., backend="spark")`` with gradients on sm_90 (GQA, causal,
+    deterministic): the sm90 forward, then the backward on the family 90 kernel dispatch
+    chooses for the packed "bwd" problem, from that forward's output and log-sum-exp: the
+    same gradients, bit for bit, as that backward called directly on them."""
+    import sparktune
+    from sparktune import dispatch
+
+    dev = DeviceInfo.from_torch("cuda")
+    if dev.arch != 90:
+        pytest.skip("needs sm_90")
+    b = SparkBackend()
+    lq, lk, hq, hk, d = [300, 1, 1000, 0, 513], [200, 7, 1000, 5, 513], 8, 2, 128
+    scale = 0.1  # given to both calls (the same float)
+    ran = []
+    for dtype in (torch.bfloat16, torch.float16):
+        tag = {torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
+        if not any(n.startswith(f"bwd_sm90_{tag}_d{d}_") for n in SM90_KERNELS) or not any(
+            n.startswith(f"fwd_sm90_{tag}_d{d}_") for n in b.configs("fwd")
+        ):
+            continue
+        q, k, v, dout, cu_q, cu_k = _packed_problem(dtype, d, lq, lk, hq, hk, seed=7)
+        p = Problem("bwd", {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype], len(lq), hq,
+                    hk, max(lq), max(lk), d, True, False, deterministic=True, varlen=True,
+                    total_q=sum(lq), total_k=sum(lk))
+        config = dispatch.select(p, dev, backend="spark").candidate.config
+        assert config.startswith("bwd_sm90_"), config
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = sparktune.varlen_attention(*leaves, cu_q, cu_k, max(lq), max(lk), causal=True,
+                                              scale=scale, deterministic=True, backend="spark",
+                                              return_lse=True)
+        out.backward(dout)
+        direct = _packed_backward(b, config, dout, q, k, v, out.detach(), lse, cu_q, cu_k, lq, lk,
+                                  True, True, scale=scale)
+        for leaf, g, gname in zip(leaves, direct, ("dq", "dk", "dv"), strict=True):
+            assert not torch.isnan(g).any(), f"{tag} {gname}: unwritten or NaN"
+            assert torch.equal(leaf.grad, g), f"{tag} {gname}: the training call differs from {config}"
+        ran.append(tag)
+    if not ran:
+        pytest.skip(f"needs an sm90 forward and backward of head dim {d} (fp16 or bf16)")

@@ -21,7 +21,11 @@ of plain matmul-softmax-matmul and math SDPA autograd) plus 1e-5. A first pass o
 checks the default mode ("def" lines; a second run on the same inputs must pass the same bound:
 float atomics add dQ in any order), a second pass the deterministic mode ("det" lines: the same
 bound, and three runs must give bit-identical gradients), so that a hang of the dQ counters
-keeps the first pass's results.
+keeps the first pass's results. Then packed sequences (PACKED: odd lengths starting anywhere in
+a tile, an empty sequence, queries without keys and keys without queries, seqlen_q != seqlen_k,
+GQA; "pk def" and "pk det" lines), the same two modes and rules, the baseline the worst of each
+sequence's own PyTorch error and the gradients compared over the packed rows (a FAIL's "row" is
+the packed row); --no-packed leaves them out.
 
 Speed (after correctness, within --speed-budget seconds, in its own subprocess): head dims 64
 and 128, causal and not, seqlen 2k/4k/8k/16k at 16k tokens, 12 heads, fp16. TFLOP/s of
@@ -65,6 +69,12 @@ SHAPES = (
     (1, 4, 4, 4097, 17, "bhnd"),
     (1, 8, 4, 300, 300, "bhnd_slice"),  # every other head of a packed buffer
 )
+#: packed batches: (query lengths, key lengths, heads_q, heads_kv)
+PACKED = (
+    ([1, 17, 1000, 0, 4097, 129], [1, 17, 1000, 0, 4097, 129], 4, 4),
+    ([5, 300, 64, 9, 0, 200], [700, 3, 64, 0, 33, 200], 8, 2),  # no key / no query; GQA 4:1
+    ([333, 1], [129, 2048], 3, 1),  # MQA
+)
 FLOOR = 1e-5
 DET_RUNS = 3
 
@@ -96,12 +106,17 @@ def _max_err(a, ref) -> float:
     return float((a.double() - ref).abs().max()) if a.numel() else 0.0
 
 
-def _run_bwd(torch, spark, name, dout, q, k, v, out, lse, causal, scale, deterministic):
+def _run_bwd(torch, spark, name, dout, q, k, v, out, lse, causal, scale, deterministic,
+             packed=None):
+    """dq, dk, dv of one backward (``packed``: the cu_seqlens / max_seqlen arguments), as
+    (B, H, N, D) views (packed: (1, H, total, D))."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     kw = {"deterministic": True} if deterministic else {}
     spark.backward(dout, q, k, v, out, lse, dq, dk, dv, config=name, causal=causal, scale=scale,
-                   **kw)
+                   **kw, **(packed or {}))
     torch.cuda.synchronize()
+    if packed:
+        return tuple(t.transpose(0, 1).unsqueeze(0) for t in (dq, dk, dv))
     return dq, dk, dv
 
 
@@ -156,7 +171,7 @@ def _judge(grads, refs, bases, what, why: list[str], detail: list[str] | None = 
     return es
 
 
-def worker_check(name: str, max_shapes: int) -> int:
+def worker_check(name: str, max_shapes: int, packed: bool = True) -> int:
     """Print one PASS/FAIL line per (mode, shape, causal) for kernel ``name`` (the first
     ``max_shapes`` shapes), a FAIL line followed by where its first failing gradient is wrong;
     1 on any failure. Two passes over the shapes: the default mode (atomics in any order), then
@@ -206,6 +221,48 @@ def worker_check(name: str, max_shapes: int) -> int:
             cases[(shape, causal)] = (args, refs, bases)
         return cases[(shape, causal)]
 
+    def packed_case(case, causal):
+        """The (args of _run_bwd, refs, bases) of a packed batch: float64 gradients over the
+        packed rows as (1, H, total, D) views, the baseline per gradient the worst of each
+        sequence's own PyTorch error."""
+        key = ("packed", repr(case), causal)
+        if key not in cases:
+            lq, lk, hq, hk = case
+            gen = torch.Generator(device="cuda").manual_seed(
+                zlib.crc32(repr((case, d, name)).encode()))
+            q = torch.randn(sum(lq), hq, d, device="cuda", dtype=dtype, generator=gen)
+            k = torch.randn(sum(lk), hk, d, device="cuda", dtype=dtype, generator=gen)
+            v = torch.randn(sum(lk), hk, d, device="cuda", dtype=dtype, generator=gen)
+            dout = torch.randn(sum(lq), hq, d, device="cuda", dtype=dtype, generator=gen)
+            cu = [torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32,
+                               device="cuda") for n in (lq, lk)]
+            kw = dict(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1])
+            scale = 1.0 / math.sqrt(d)
+            with torch.no_grad():
+                ref_out, ref_lse = reference_attention(q, k, v, causal, scale, **kw)
+                refs = reference_attention_backward(dout, q, k, v, causal, scale, **kw)
+            bases = [0.0, 0.0, 0.0]
+            cq, ck = cu[0].tolist(), cu[1].tolist()
+            view = lambda t, a, z: t[a:z].transpose(0, 1).unsqueeze(0)  # noqa: E731
+            for s in range(len(lq)):
+                q0, q1, k0, k1 = cq[s], cq[s + 1], ck[s], ck[s + 1]
+                if q1 == q0 or k1 == k0:  # exact zeros there; no PyTorch error to measure
+                    continue
+                for kind in ("plain", "sdpa"):
+                    leaves = [view(t, a, z).detach().requires_grad_()
+                              for t, a, z in ((q, q0, q1), (k, k0, k1), (v, k0, k1))]
+                    with torch.enable_grad():
+                        o, _ = lowp_attention(*leaves, causal=causal, scale=scale, kind=kind)
+                        lp = torch.autograd.grad(o, leaves, view(dout, q0, q1))
+                    for i, (a, z) in enumerate(((q0, q1), (k0, k1), (k0, k1))):
+                        bases[i] = max(bases[i], _max_err(lp[i], view(refs[i], a, z)))
+            args = (torch, spark, name, dout, q, k, v, ref_out.to(dtype), ref_lse.float(), causal,
+                    scale)
+            extra = dict(**kw, max_seqlen_q=max(lq), max_seqlen_k=max(lk))
+            refs = tuple(t.transpose(0, 1).unsqueeze(0) for t in refs)
+            cases[key] = (args, extra, refs, bases)
+        return cases[key]
+
     for mode in ("default", "deterministic"):
         for shape in SHAPES[:max_shapes]:
             b, hq, hk, nq, nk, layout = shape
@@ -223,6 +280,39 @@ def worker_check(name: str, max_shapes: int) -> int:
                         _judge(_run_bwd(*args, False), refs, bases, "default repeat", why, detail)
                     else:
                         det = [_run_bwd(*args, True) for _ in range(DET_RUNS)]
+                        errs = _judge(det[0], refs, bases, mode, why, detail)
+                        for i in range(1, DET_RUNS):
+                            if not all(torch.equal(a, c) for a, c in zip(det[0], det[i], strict=True)):
+                                why.append(f"deterministic run {i + 1} not bit-identical to run 1")
+                                break
+                except Exception as exc:  # one check fails, the rest run
+                    why.append(f"{type(exc).__name__}: {exc}")
+                ok = not why
+                failed += not ok
+                errs_s = " ".join(f"{n}={e:.2e}({bs:.2e})"
+                                  for n, e, bs in zip(("dq", "dk", "dv"), errs, bases, strict=True))
+                print(f"{'PASS' if ok else 'FAIL'} {label:<84} {errs_s}"
+                      + ("" if ok else "  " + "; ".join(why)), flush=True)
+                for line in detail:
+                    print(f"     {line}", flush=True)
+    for mode in ("default", "deterministic") if packed else ():
+        for case in PACKED:
+            lq, lk, hq, hk = case
+            for causal in (False, True):
+                label = (f"pk {mode[:3]} {name} h{hq}/{hk} q{lq} k{lk} "
+                         f"{'causal' if causal else 'full'}")
+                why = []
+                detail = []
+                errs = [float("nan")] * 3
+                bases = [float("nan")] * 3
+                try:
+                    args, extra, refs, bases = packed_case(case, causal)
+                    if mode == "default":
+                        errs = _judge(_run_bwd(*args, False, extra), refs, bases, mode, why, detail)
+                        _judge(_run_bwd(*args, False, extra), refs, bases, "default repeat", why,
+                               detail)
+                    else:
+                        det = [_run_bwd(*args, True, extra) for _ in range(DET_RUNS)]
                         errs = _judge(det[0], refs, bases, mode, why, detail)
                         for i in range(1, DET_RUNS):
                             if not all(torch.equal(a, c) for a, c in zip(det[0], det[i], strict=True)):
@@ -404,11 +494,13 @@ def main(argv=None) -> int:
                          "kernel's checks are cut there); the kernels left are reported as not run")
     ap.add_argument("--max-shapes", type=int, default=len(SHAPES),
                     help="check only the first N shapes of SHAPES (the first two are tiny)")
+    ap.add_argument("--no-packed", action="store_true",
+                    help="leave out the packed-sequence checks (PACKED)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--speed-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        return worker_check(args.worker, args.max_shapes)
+        return worker_check(args.worker, args.max_shapes, not args.no_packed)
 
     log = Log(args.out)
     try:
@@ -458,8 +550,11 @@ def main(argv=None) -> int:
             log(failures[-1])
             break
         t1 = time.time()
-        lines, rc, why = _run_worker([*me, "--worker", name, "--max-shapes", str(args.max_shapes)],
-                                     env, min(args.kernel_timeout, left), args.idle_timeout, log)
+        worker = [*me, "--worker", name, "--max-shapes", str(args.max_shapes)]
+        if args.no_packed:
+            worker.append("--no-packed")
+        lines, rc, why = _run_worker(worker, env, min(args.kernel_timeout, left), args.idle_timeout,
+                                     log)
         fails = [ln for ln in lines if ln.startswith("FAIL")]
         passed += sum(ln.startswith("PASS") for ln in lines)
         failures += fails

@@ -98,8 +98,8 @@ class SparkBackend(Backend):
     name = "spark"
     #: docs/FEATURES.md: "deterministic" (a backward problem's: the backward of family 90
     #: adds dQ in a fixed order when asked; the other families' backward kernels are refused)
-    #: and "varlen" (packed sequences: the family 90 forward only; the backward of such a call
-    #: runs on a backend that has one). Configurations listed in kernel_space.UNVERIFIED run
+    #: and "varlen" (packed sequences: the family 90 forward and backward only, the other
+    #: families' kernels are refused). Configurations listed in kernel_space.UNVERIFIED run
     #: only when forced by name.
     features = frozenset({"deterministic", "varlen"})
 
@@ -157,10 +157,12 @@ class SparkBackend(Backend):
                 "adds dQ with float atomics in no fixed order: gradients not bitwise reproducible "
                 "(deterministic=True needs a family 90 backward, bwd_sm90_*)"
             )
-        if getattr(problem, "varlen", False) and (problem.op != "fwd" or k["family"] != 90):
+        if getattr(problem, "varlen", False) and (
+            problem.op not in ("fwd", "bwd") or k["family"] != 90
+        ):
             reasons.append(
-                "packed sequences (varlen) run on the family 90 forward only (fwd_sm90_*, sm_90); "
-                f"this is a family {k['family']} {k['op']} kernel"
+                "packed sequences (varlen) run on the family 90 forward and backward only "
+                f"(fwd_sm90_*, bwd_sm90_*, sm_90); this is a family {k['family']} {k['op']} kernel"
             )
         if device is not None:
             archs = k.get("archs") or (self.build_info() or {}).get("archs", [])
@@ -428,57 +430,136 @@ class SparkBackend(Backend):
         causal: bool,
         scale: float,
         deterministic: bool = False,
+        cu_seqlens_q: torch.Tensor | None = None,
+        cu_seqlens_k: torch.Tensor | None = None,
+        max_seqlen_q: int | None = None,
+        max_seqlen_k: int | None = None,
+        **features: object,
     ) -> None:
         """Write the gradients of attention(q, k, v) for ``dout`` into dq, dk, dv (any strides
         with a contiguous last dimension; GQA: dk and dv have k's heads). ``out`` and ``lse`` are
         the forward's. Two fp32 workspaces are allocated per call: the dQ sum (q's size) and
         D = rowsum(dout * out). ``deterministic`` (family 90 only): a third, int32 counters per
-        query row block, makes the key blocks add their dQ parts in a fixed order."""
+        query row block, makes the key blocks add their dQ parts in a fixed order.
+
+        Packed sequences (``cu_seqlens_*`` given, family 90 kernels only, ``bwd_sm90_*``): q,
+        out, dout, dq are (total_q, Hq, D), k, v, dk, dv (total_k, Hkv, D), ``lse``
+        (Hq, total_q) as the packed forward returns it. The boundaries are checked as
+        :meth:`forward` checks them, and their values as ``varlen_attention`` checks them
+        (:func:`~sparktune._checks.check_cu_seqlens`: read from the device once per tensor, so
+        a training step's backward finds them read by its forward): a max length below a
+        sequence's would leave gradient rows unwritten, and the deterministic counters
+        overrun. Where there is no query or no key at all (a total or a max length 0) the
+        gradients are zeros and nothing is launched. No other feature is run here (dispatch
+        never sends one). Every argument is checked before the compiled module is reached:
+        what is wrong raises ``ValueError`` (CPU tensors among them)."""
         import torch
 
-        mod, err = load_extension()
-        if mod is None:
-            raise RuntimeError(err)
-        b, hq, nq, d = q.shape
-        hk, nk = k.shape[1], k.shape[2]
+        if features:
+            raise ValueError(
+                f"the spark backward runs packed sequences, deterministic mode and plain "
+                f"attention only, not {sorted(features)} (docs/FEATURES.md)"
+            )
         tensors = (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("dq", dq),
                    ("dk", dk), ("dv", dv))
+        packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+        if packed:
+            from .._checks import check_cu_seqlens, check_packed_boundaries
+
+            b, nq, nk = check_packed_boundaries(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                max_seqlen_k)
+            if not config.startswith("bwd_sm90_"):
+                raise ValueError(
+                    f"{config}: packed sequences run on the family 90 kernels only (bwd_sm90_* "
+                    "for the backward)"
+                )
+            for name, t in tensors:
+                if t.dim() != 3:
+                    raise ValueError(
+                        f"packed sequences need (total, heads, head_dim) tensors: {name} has "
+                        f"shape {tuple(t.shape)}"
+                    )
+            total_q, hq, d = q.shape
+            total_k, hk = k.shape[0], k.shape[1]
+            if k.shape[2] != d or tuple(v.shape) != tuple(k.shape):
+                raise ValueError(
+                    f"k and v must be (total_k, heads_kv, {d}) alike, got k {tuple(k.shape)} and "
+                    f"v {tuple(v.shape)}"
+                )
+            check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, nq, nk, total_q, total_k, q.device)
+            lse_shape: tuple[int, ...] = (hq, total_q)
+        else:
+            b, hq, nq, d = q.shape
+            hk, nk = k.shape[1], k.shape[2]
+            lse_shape = (b, hq, nq)
         for name, t in tensors:
             if t.dtype != q.dtype or t.device != q.device:
                 raise ValueError(f"{name} is {t.dtype} on {t.device}, q is {q.dtype} on {q.device}")
-            if t.data_ptr() % 16 or _rows_misaligned(t.stride()) or t.stride(-1) != 1:
+        for name, t, shape in (("out", out, q.shape), ("dout", dout, q.shape), ("dq", dq, q.shape),
+                               ("dk", dk, k.shape), ("dv", dv, v.shape)):
+            if tuple(t.shape) != tuple(shape):
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+        if tuple(lse.shape) != lse_shape or lse.dtype != torch.float32:
+            raise ValueError(f"lse must be float32 of shape {lse_shape}, got {lse.dtype} "
+                             f"{tuple(lse.shape)}")
+        if not (scale > 0 and math.isfinite(scale)):
+            raise ValueError(f"scale must be a finite positive number, got {scale!r}")
+        if deterministic and not config.startswith("bwd_sm90_"):
+            raise ValueError(
+                f"{config} adds dQ with float atomics in no fixed order: deterministic=True "
+                "needs a family 90 backward (bwd_sm90_*)"
+            )
+        if packed and (total_q == 0 or total_k == 0 or nq == 0 or nk == 0):
+            # no query or no key at all: every gradient is 0, nothing to launch
+            for g in (dq, dk, dv):
+                g.zero_()
+            return
+        # (batch, head, row) strides; packed: the batch stride is a stand-in the kernel never steps
+        if packed:
+            strides = [(t.shape[0] * t.stride(0), t.stride(1), t.stride(0)) for _, t in tensors]
+        else:
+            strides = [tuple(t.stride()[:3]) for _, t in tensors]
+        for (name, t), st in zip(tensors, strides, strict=True):
+            if t.data_ptr() % 16 or _rows_misaligned(st) or t.stride(-1) != 1:
                 raise ValueError(
                     f"spark kernels need 16-byte aligned rows: {name}'s data pointer and its batch, "
                     f"head and row strides must be multiples of 8 elements and its last dimension "
                     f"contiguous (strides {tuple(t.stride())})"
                 )
-        for name, t, shape in (("out", out, q.shape), ("dout", dout, q.shape), ("dq", dq, q.shape),
-                               ("dk", dk, k.shape), ("dv", dv, v.shape)):
-            if tuple(t.shape) != tuple(shape):
-                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-        if tuple(lse.shape) != (b, hq, nq) or lse.dtype != torch.float32:
-            raise ValueError(f"lse must be float32 of shape {(b, hq, nq)}, got {lse.dtype} "
-                             f"{tuple(lse.shape)}")
-        if not (scale > 0 and math.isfinite(scale)):
-            raise ValueError(f"scale must be a finite positive number, got {scale!r}")
-        if _tma_refuses(config, [t.stride() for _, t in tensors[:5]]):
+        if _tma_refuses(config, strides[:5]):
             raise ValueError(
                 f"{config} reads q, k, v and dout through TMA descriptors, which need positive "
                 "batch, head and row strides; make the inputs contiguous or use another kernel"
             )
+        if q.device.type != "cuda":
+            raise ValueError(f"spark kernels need CUDA tensors, the inputs are on {q.device}")
+        mod, err = load_extension()
+        if mod is None:
+            raise RuntimeError(err)
+        info = self._catalogue().get(config)
+        if info is None:
+            raise ValueError(f"unknown spark kernel {config!r} (not compiled; `sparktune info` lists them)")
+        if deterministic and info["family"] != 90:
+            raise ValueError(
+                f"{config} adds dQ with float atomics in no fixed order: deterministic=True "
+                "needs a family 90 backward (bwd_sm90_*)"
+            )
         semaphore = None
         if deterministic:
-            info = self._catalogue().get(config)
-            if info is None or info["family"] != 90:
-                raise ValueError(
-                    f"{config} adds dQ with float atomics in no fixed order: deterministic=True "
-                    "needs a family 90 backward (bwd_sm90_*)"
-                )
+            # one counter per (batch, query head, row block); packed: per sequence, with the
+            # longest sequence's row blocks
             m_blocks = -(-nq // int(info["block_m"]))
             semaphore = torch.zeros((b, hq, m_blocks), device=q.device, dtype=torch.int32)
         lse = lse.contiguous()
-        dq_accum = torch.empty((b, hq, nq, d), device=q.device, dtype=torch.float32)
-        dsum = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+        if packed:
+            dq_accum = torch.empty((total_q, hq, d), device=q.device, dtype=torch.float32)
+            dsum = torch.empty((hq, total_q), device=q.device, dtype=torch.float32)
+            extra = dict(cu_seqlens_q=cu_seqlens_q.data_ptr(), cu_seqlens_k=cu_seqlens_k.data_ptr(),
+                         total_q=total_q, total_k=total_k)
+        else:
+            dq_accum = torch.empty((b, hq, nq, d), device=q.device, dtype=torch.float32)
+            dsum = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+            extra = {}
         stream = torch.cuda.current_stream(q.device).cuda_stream
         with torch.cuda.device(q.device):
             mod.bwd(
@@ -486,8 +567,8 @@ class SparkBackend(Backend):
                 dout.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                 dq_accum.data_ptr(), dsum.data_ptr(),
                 b, hq, hk, nq, nk, d,
-                q.stride()[:3], k.stride()[:3], v.stride()[:3], out.stride()[:3],
-                dout.stride()[:3], dq.stride()[:3], dk.stride()[:3], dv.stride()[:3],
+                *strides,
                 float(scale), bool(causal), stream,
                 semaphore.data_ptr() if semaphore is not None else 0,
+                **extra,
             )

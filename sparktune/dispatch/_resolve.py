@@ -31,6 +31,7 @@ __all__ = [
     "DECODE_DEFAULT_ORDER",
     "DEFAULT_ORDER",
     "FEATURE_DEFAULT_ORDER",
+    "HOPPER_VARLEN_ORDER",
     "NEAREST_MAX_OCTAVES",
     "SOURCES",
     "VOLTA_DEFAULT_ORDER",
@@ -63,10 +64,11 @@ CPU_DECODE_DEFAULT_ORDER = ("triton", "reference", "torch")
 FEATURE_DEFAULT_ORDER = ("triton", "torch", "spark", "reference")
 #: the Problem.features that take FEATURE_DEFAULT_ORDER
 _TRITON_FIRST_FEATURES = frozenset({"window", "softcap", "alibi", "dropout", "varlen"})
-#: the forward of packed sequences with no other feature on a Hopper GPU: the family 90 forward
-#: runs them (one TMA view of the packed rows, each sequence's tiles offset into it), then the
-#: order above (bench/varlen.py on an H200 says by how much; BENCHMARKS.md)
-HOPPER_VARLEN_FWD_ORDER = ("spark", "triton", "torch", "reference")
+#: the forward and the backward of packed sequences with no other feature (the backward may be
+#: deterministic) on a Hopper GPU: the family 90 kernels run them (one TMA view of the packed
+#: rows, each sequence's tiles offset into it), then the order above (the forward: bench/varlen.py
+#: on an H200 says by how much, BENCHMARKS.md)
+HOPPER_VARLEN_ORDER = ("spark", "triton", "torch", "reference")
 _HOPPER_VARLEN_FEATURES = frozenset({"varlen", "deterministic"})
 #: the first architecture where SDPA's own choice is the default
 SDPA_DEFAULT_MIN_ARCH = 80
@@ -205,8 +207,8 @@ def heuristic_default(
             why = "before sm_80 sparktune's kernels come first (SDPA has no flash path there)"
         elif kind == "hopper-varlen":
             why = (
-                "packed sequences on sm_90: the Hopper forward first, then the Triton family: no "
-                "record reaches this shape"
+                "packed sequences on sm_90: the Hopper kernels first (forward and backward), then "
+                "the Triton family: no record reaches this shape"
             )
         elif kind == "features":
             why = "with attention features the Triton family comes first: no record reaches this shape"
@@ -225,7 +227,7 @@ def _default_kind(device: DeviceInfo | None, problem: Problem | None) -> str:
     if device is not None and problem is not None and problem.features & _TRITON_FIRST_FEATURES:
         if (
             device.arch == 90
-            and problem.op == "fwd"
+            and problem.op in ("fwd", "bwd")
             and "varlen" in problem.features
             and problem.features <= _HOPPER_VARLEN_FEATURES
         ):
@@ -237,7 +239,7 @@ def _default_kind(device: DeviceInfo | None, problem: Problem | None) -> str:
 #: kind -> the name of its order in this module (read at each call: tests replace them)
 _ORDERS = {
     "cpu-decode": "CPU_DECODE_DEFAULT_ORDER", "decode": "DECODE_DEFAULT_ORDER",
-    "volta": "VOLTA_DEFAULT_ORDER", "hopper-varlen": "HOPPER_VARLEN_FWD_ORDER",
+    "volta": "VOLTA_DEFAULT_ORDER", "hopper-varlen": "HOPPER_VARLEN_ORDER",
     "features": "FEATURE_DEFAULT_ORDER", "plain": "DEFAULT_ORDER",
 }  # fmt: skip
 

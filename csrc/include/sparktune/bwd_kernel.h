@@ -9,6 +9,8 @@
 //    fp32 workspace with atomics (other key blocks add to the same rows). P and dS go through
 //    shared memory, from where every product reads them in the orientation it needs.
 // 3. bwd_convert_dq_kernel: dQ = scale * workspace, in the input type, with dq's strides.
+// (1 and 3 have packed-sequence variants, bwd_preprocess_packed_kernel and
+// bwd_convert_dq_packed_kernel, for the family 90 backward.)
 #pragma once
 
 #include <cmath>
@@ -76,6 +78,65 @@ __global__ void __launch_bounds__(kRowKernelThreads)
       p.dq_accum + ((int64_t(batch) * p.heads_q + head) * p.seqlen_q + row) * p.head_dim;
   T* dq = static_cast<T*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
           row * p.dq_row_stride;
+  for (int c = lane * kVec; c < p.head_dim; c += kVec * kRowLanes) {
+    uint4 raw;
+    T* out = reinterpret_cast<T*>(&raw);
+    CUTE_UNROLL
+    for (int i = 0; i < kVec; i += 4) {
+      const float4 a = *reinterpret_cast<float4 const*>(acc + c + i);
+      out[i + 0] = static_cast<T>(a.x * p.scale);
+      out[i + 1] = static_cast<T>(a.y * p.scale);
+      out[i + 2] = static_cast<T>(a.z * p.scale);
+      out[i + 3] = static_cast<T>(a.w * p.scale);
+    }
+    *reinterpret_cast<uint4*>(dq + c) = raw;
+  }
+}
+
+// The same two row kernels for packed sequences (the family 90 backward's; BwdParams says
+// how the tensors are laid out): the grid walks the packed rows (blockIdx.x) of every query
+// head (blockIdx.y), which are each one row of some sequence, so neither needs cu_seqlens.
+// D goes to dsum (heads_q, total_q) and the zeroed workspace is (total_q, heads_q, head_dim).
+template <class T>
+__global__ void __launch_bounds__(kRowKernelThreads)
+    bwd_preprocess_packed_kernel(__grid_constant__ const BwdParams p) {
+  constexpr int kVec = 16 / sizeof(T);
+  const int row = blockIdx.x * kRowKernelRows + threadIdx.x / kRowLanes;
+  const int lane = threadIdx.x % kRowLanes;
+  const int head = blockIdx.y;
+  const bool live = row < p.total_q;
+  float sum = 0.f;
+  if (live) {
+    T const* o = static_cast<T const*>(p.o) + int64_t(row) * p.o_row_stride + head * p.o_head_stride;
+    T const* dout =
+        static_cast<T const*>(p.dout) + int64_t(row) * p.do_row_stride + head * p.do_head_stride;
+    for (int c = lane * kVec; c < p.head_dim; c += kVec * kRowLanes) {
+      const uint4 o_raw = *reinterpret_cast<uint4 const*>(o + c);
+      const uint4 do_raw = *reinterpret_cast<uint4 const*>(dout + c);
+      T const* o_v = reinterpret_cast<T const*>(&o_raw);
+      T const* do_v = reinterpret_cast<T const*>(&do_raw);
+      CUTE_UNROLL
+      for (int i = 0; i < kVec; ++i) sum = fmaf(float(o_v[i]), float(do_v[i]), sum);
+    }
+    float* acc = p.dq_accum + (int64_t(row) * p.heads_q + head) * p.head_dim;
+    for (int c = lane * 4; c < p.head_dim; c += 4 * kRowLanes) {
+      *reinterpret_cast<float4*>(acc + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+  sum = allreduce_xor<kRowLanes / 2>(sum, SumOp{});
+  if (live && lane == 0) p.dsum[int64_t(head) * p.total_q + row] = sum;
+}
+
+template <class T>
+__global__ void __launch_bounds__(kRowKernelThreads)
+    bwd_convert_dq_packed_kernel(__grid_constant__ const BwdParams p) {
+  constexpr int kVec = 16 / sizeof(T);
+  const int row = blockIdx.x * kRowKernelRows + threadIdx.x / kRowLanes;
+  const int lane = threadIdx.x % kRowLanes;
+  const int head = blockIdx.y;
+  if (row >= p.total_q) return;
+  float const* acc = p.dq_accum + (int64_t(row) * p.heads_q + head) * p.head_dim;
+  T* dq = static_cast<T*>(p.dq) + int64_t(row) * p.dq_row_stride + head * p.dq_head_stride;
   for (int c = lane * kVec; c < p.head_dim; c += kVec * kRowLanes) {
     uint4 raw;
     T* out = reinterpret_cast<T*>(&raw);

@@ -30,10 +30,11 @@ struct FwdParams {
   float scale_log2 = 1.f;  // scale * log2(e): the kernels work in base 2
   bool causal = false;     // bottom-right aligned: row i sees col j iff j <= i + seqlen_k - seqlen_q
 
-  // Packed sequences (the family 90 forward only; null elsewhere): sequence b is rows
-  // cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q, o and cu_seqlens_k[b] .. of k, v, each a
-  // (total, heads, head_dim) tensor (batch strides unused); batch is the number of sequences,
-  // seqlen_q/seqlen_k their maximum lengths, and lse is (heads_q, total_q).
+  // Packed sequences (the family 90 forward and backward only; null elsewhere): sequence b is
+  // rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q, o (and dout, dq) and cu_seqlens_k[b] .. of
+  // k, v (and dk, dv), each a (total, heads, head_dim) tensor (batch strides unused); batch is
+  // the number of sequences, seqlen_q/seqlen_k their maximum lengths, and lse is
+  // (heads_q, total_q).
   const int* cu_seqlens_q = nullptr;
   const int* cu_seqlens_k = nullptr;
   int total_q = 0;
@@ -55,17 +56,21 @@ struct FwdParams {
 // The backward kernels read the forward's inputs, output and log-sum-exp (the FwdParams part)
 // plus the output gradient, and write dq/dk/dv. dq is summed over key blocks in an fp32
 // workspace with atomics, then converted; dk/dv (batch, heads_kv, seqlen_k, head_dim) are
-// written once per key block.
+// written once per key block. Packed sequences (cu_seqlens_q set, family 90 only): dout, dq like
+// q and dk, dv like k, (total, heads, head_dim) each, and the workspaces below packed too.
 struct BwdParams : FwdParams {
   const void* dout = nullptr;
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;
-  float* dq_accum = nullptr;  // (batch, heads_q, seqlen_q, head_dim) fp32, contiguous
-  float* dsum = nullptr;      // (batch, heads_q, seqlen_q) fp32: D = rowsum(dout * o)
+  // (batch, heads_q, seqlen_q, head_dim) fp32, contiguous; packed: (total_q, heads_q, head_dim)
+  float* dq_accum = nullptr;
+  // (batch, heads_q, seqlen_q) fp32: D = rowsum(dout * o); packed: (heads_q, total_q), as lse
+  float* dsum = nullptr;
   // Deterministic dQ (family 90 only; the other families never get one): when set, a zeroed
   // int32 (batch, heads_q, ceil(seqlen_q / block_m)) counter per query row block makes the key
-  // blocks add their dQ parts in ascending order, so the sum is the same on every run.
+  // blocks add their dQ parts in ascending order, so the sum is the same on every run (packed:
+  // batch sequences, seqlen_q the longest).
   int* dq_semaphore = nullptr;
 
   int64_t do_batch_stride = 0, do_head_stride = 0, do_row_stride = 0;

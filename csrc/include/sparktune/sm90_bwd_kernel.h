@@ -28,6 +28,23 @@
 // the kernel's shared window by offsets, so that it compiles to shared-memory instructions: a
 // base aligned through an integer made them generic loads and stores, whose waits held the
 // consumers (about 30% of the backward's time on an H200).
+//
+// Packed sequences (p.cu_seqlens_q set; BwdParams says how the tensors are laid out): the grid's
+// batch index is the sequence, whose first rows and lengths the block reads from cu_seqlens; a
+// key block past its sequence's keys returns at once. The TMA descriptors see each packed
+// tensor as one (total, head_dim, heads, 1) view and the block reaches its sequence's rows
+// through a domain offset of its first row (any row: TMA coordinates are elements, not tiles).
+// What lies past the sequence in a tile is the next sequence's rows, or zeros past the total:
+// keys past seqlen_k are masked (P^T = 0) and never written; query rows past seqlen_q get the
+// statistics lse = +inf and D = 0, so that their P^T, and with it their dS^T, are exactly 0
+// (for finite inputs: an inf or NaN in the neighbouring sequence's rows would reach this one's
+// products). Their dQ rows, added by the tile's TMA reduce-add to the next sequence's rows of
+// the workspace (past total_q TMA leaves them out), are therefore +-0 (sums of 0 * K), and
+// x + (+-0) is x for every x but -0, so those adds change no sum, in whatever order they
+// happen: also in deterministic mode, where they do not wait for the next sequence's turns.
+// (A sum that starts at the workspace's +0 is -0 only where an add flushed a negative
+// subnormal result to -0; a +0 added after it makes that zero +0: the sign of a zero, never a
+// value.) The causal diagonal is each sequence's (seqlen_k - seqlen_q).
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -136,14 +153,16 @@ CUTE_DEVICE void bulk_wait_complete() {
 }
 
 // The query row blocks a key block sees: [m_begin, m_blocks). Causal (bottom-right): key j is
-// seen by rows i >= j - (seqlen_k - seqlen_q).
+// seen by rows i >= j - (seqlen_k - seqlen_q). The lengths are the block's sequence's (packed:
+// its own, else the problem's).
 struct BwdWalk {
   int m_begin, m_blocks;
-  CUTE_DEVICE BwdWalk(BwdParams const& p, int n_block, int block_m, int block_n) {
-    m_blocks = (p.seqlen_q + block_m - 1) / block_m;
+  CUTE_DEVICE BwdWalk(BwdParams const& p, int seqlen_q, int seqlen_k, int n_block, int block_m,
+                      int block_n) {
+    m_blocks = (seqlen_q + block_m - 1) / block_m;
     m_begin = 0;
     if (p.causal) {
-      const int first_row = n_block * block_n - (p.seqlen_k - p.seqlen_q);
+      const int first_row = n_block * block_n - (seqlen_k - seqlen_q);
       m_begin = first_row <= 0 ? 0 : first_row / block_m;
     }
   }
@@ -154,12 +173,14 @@ struct BwdWalk {
   // Either way a key block waits only for key blocks of the same (kv head, batch) with a lower
   // blockIdx.x (the causal grid is reversed), which the hardware dispatches first: they are
   // resident or finished even when the grid is larger than what fits at once, and the first
-  // in the order never waits.
-  CUTE_DEVICE static int turn(BwdParams const& p, int n_block, int m, int block_m, int block_n) {
+  // in the order never waits. Packed: the key blocks of the block's sequence (those past it
+  // return at once and take no turn).
+  CUTE_DEVICE static int turn(BwdParams const& p, int seqlen_q, int seqlen_k, int n_block, int m,
+                              int block_m, int block_n) {
     if (!p.causal) return n_block;
-    const int n_blocks = (p.seqlen_k + block_n - 1) / block_n;
-    const int last_row = min((m + 1) * block_m, p.seqlen_q) - 1;
-    const int n_last = min(n_blocks - 1, (last_row + p.seqlen_k - p.seqlen_q) / block_n);
+    const int n_blocks = (seqlen_k + block_n - 1) / block_n;
+    const int last_row = min((m + 1) * block_m, seqlen_q) - 1;
+    const int n_last = min(n_blocks - 1, (last_row + seqlen_k - seqlen_q) / block_n);
     return n_last - n_block;
   }
   // steps of the whole walk: every query head of the group times the row blocks
@@ -227,11 +248,26 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int kv_head = blockIdx.y;
   const int batch = blockIdx.z;
   const int key0 = n_block * kBlockN;
-  const int diag = p.seqlen_k - p.seqlen_q;  // causal: row i sees key j iff j <= i + diag
+  // The block's sequence: its lengths and first rows (0 unless packed, where sequence `batch`
+  // is rows cu_seqlens[batch] .. of the packed tensors and the grid spans the longest one)
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, q_first = 0, k_first = 0;
+  if (varlen) {
+    q_first = p.cu_seqlens_q[batch];
+    k_first = p.cu_seqlens_k[batch];
+    seqlen_q = p.cu_seqlens_q[batch + 1] - q_first;
+    seqlen_k = p.cu_seqlens_k[batch + 1] - k_first;
+    // a key block past the sequence's keys (an empty sequence's every one) has nothing to
+    // write and adds nothing (the whole block leaves, before any barrier)
+    if (key0 >= seqlen_k) return;
+  }
+  // the batch index of the dense tensors and of the TMA views (packed: the one view, 0)
+  const int view = varlen ? 0 : batch;
+  const int diag = seqlen_k - seqlen_q;  // causal: row i sees key j iff j <= i + diag
   const int warpgroup = threadIdx.x / 128;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const sm90::BwdWalk walk(p, n_block, kBlockM, kBlockN);
+  const sm90::BwdWalk walk(p, seqlen_q, seqlen_k, n_block, kBlockM, kBlockN);
 
   auto& kv_full = *reinterpret_cast<FullBarrier*>(st.kv_full());
   auto qdo_full = reinterpret_cast<FullBarrier*>(st.qdo_full());
@@ -270,12 +306,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (warp == 0 && lane == 0) {
       auto tile_q = Shape<Int<kBlockM>, Int<kHeadDim>>{};
       auto tile_kv = Shape<Int<kBlockN>, Int<kHeadDim>>{};
-      Tensor mQ = args.tma_q.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
-      Tensor mDo = args.tma_do.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
-      Tensor mK = args.tma_k.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
-      Tensor mV = args.tma_v.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
-      Tensor gK = local_tile(mK(_, _, kv_head, batch), tile_kv, make_coord(n_block, _0{}));
-      Tensor gV = local_tile(mV(_, _, kv_head, batch), tile_kv, make_coord(n_block, _0{}));
+      // packed: one (total, D, heads, 1) view each, the sequence's rows reached by an offset
+      const int views = varlen ? 1 : p.batch;
+      const int rows_q = varlen ? p.total_q : p.seqlen_q;
+      const int rows_k = varlen ? p.total_k : p.seqlen_k;
+      Tensor mQ = args.tma_q.get_tma_tensor(make_shape(rows_q, kHeadDim, p.heads_q, views));
+      Tensor mDo = args.tma_do.get_tma_tensor(make_shape(rows_q, kHeadDim, p.heads_q, views));
+      Tensor mK = args.tma_k.get_tma_tensor(make_shape(rows_k, kHeadDim, p.heads_kv, views));
+      Tensor mV = args.tma_v.get_tma_tensor(make_shape(rows_k, kHeadDim, p.heads_kv, views));
+      Tensor gK = local_tile(domain_offset(make_coord(k_first, _0{}), mK(_, _, kv_head, view)),
+                             tile_kv, make_coord(n_block, _0{}));
+      Tensor gV = local_tile(domain_offset(make_coord(k_first, _0{}), mV(_, _, kv_head, view)),
+                             tile_kv, make_coord(n_block, _0{}));
       auto [tKgK, tKsK] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
                                         group_modes<0, 2>(gK));
       auto [tVgV, tVsV] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
@@ -287,8 +329,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int t = 0; t < walk.steps(p.group); ++t) {
         const sm90::BwdStep<kStages> at(walk, t);
         const int head = kv_head * p.group + at.g;
-        Tensor gQ = local_tile(mQ(_, _, head, batch), tile_q, make_coord(at.m, _0{}));
-        Tensor gDo = local_tile(mDo(_, _, head, batch), tile_q, make_coord(at.m, _0{}));
+        Tensor gQ = local_tile(domain_offset(make_coord(q_first, _0{}), mQ(_, _, head, view)),
+                               tile_q, make_coord(at.m, _0{}));
+        Tensor gDo = local_tile(domain_offset(make_coord(q_first, _0{}), mDo(_, _, head, view)),
+                                tile_q, make_coord(at.m, _0{}));
         Tensor sQs = sQ(_, _, at.stage);
         Tensor sDos = sDo(_, _, at.stage);
         auto [tQgQ, tQsQ] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQs),
@@ -305,7 +349,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // dQ: each consumer warpgroup's columns of a step's tile, once that warpgroup has
       // written them, added to the workspace (one handoff per warpgroup, so that neither waits
       // for the other's stores)
-      Tensor mDq = args.tma_dq.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
+      // packed: the (total_q, D, heads_q, 1) workspace, the sequence's rows reached by an
+      // offset (a tile's rows past the sequence add +-0 to the next one's: see the top)
+      Tensor mDq = args.tma_dq.get_tma_tensor(make_shape(varlen ? p.total_q : p.seqlen_q, kHeadDim,
+                                                         p.heads_q, varlen ? 1 : p.batch));
+      // the semaphores' row blocks per (batch, head): the longest sequence's when packed
+      const int sem_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
       auto thr_tma_dq = args.tma_dq.get_slice(_0{});
       const int steps = walk.steps(p.group);
       for (int t = 0; t < steps; ++t) {
@@ -317,13 +366,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         for (int g = 0; g < Traits::kConsumerWarpgroups; ++g) {
           Tensor sDqPart = make_tensor(make_smem_ptr(st.dq() + g * kBlockM * Traits::kDqCols),
                                        typename Traits::SmemLayoutDqPart{});
-          Tensor gDq = local_tile(mDq(_, _, head, batch),
+          Tensor gDq = local_tile(domain_offset(make_coord(q_first, _0{}), mDq(_, _, head, view)),
                                   Shape<Int<kBlockM>, Int<Traits::kDqCols>>{}, make_coord(at.m, g));
           sm90::bar_sync(kBarDqFull + g, kHandoff);
           if (lane == 0) {
             if (deterministic && g == 0) {
-              sem = p.dq_semaphore + (int64_t(batch) * p.heads_q + head) * walk.m_blocks + at.m;
-              turn = sm90::BwdWalk::turn(p, n_block, at.m, kBlockM, kBlockN);
+              sem = p.dq_semaphore + (int64_t(batch) * p.heads_q + head) * sem_blocks + at.m;
+              turn = sm90::BwdWalk::turn(p, seqlen_q, seqlen_k, n_block, at.m, kBlockM, kBlockN);
               while (sm90::load_acquire(sem) != turn) __nanosleep(32);
               asm volatile("fence.proxy.async.global;" : : : "memory");
             }
@@ -393,12 +442,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // barrier, after which no thread reads step t's statistics. The load keeps the raw value
   // (nothing waits for it until the store).
   static_assert(2 * kBlockM <= kConsumerThreads, "one statistic per consumer thread");
+  // Row r of the group's head g is element stat0 + g * stat_stride + r of lse and D: (batch,
+  // heads_q, seqlen_q), or packed (heads_q, total_q) from the sequence's first row on.
+  const int64_t stat0 = varlen ? int64_t(kv_head) * p.group * p.total_q + q_first
+                               : (int64_t(batch) * p.heads_q + kv_head * p.group) * p.seqlen_q;
+  const int stat_stride = varlen ? p.total_q : p.seqlen_q;
   auto load_stat = [&](int t) -> float {
     const sm90::BwdStep<kStages> at(walk, t);
     const int row = at.m * kBlockM + ctid % kBlockM;
-    const int64_t i = (int64_t(batch) * p.heads_q + kv_head * p.group + at.g) * p.seqlen_q + row;
-    if (ctid < kBlockM) return row < p.seqlen_q ? p.lse[i] : -kInf;
-    return row < p.seqlen_q ? p.dsum[i] : 0.f;
+    const int64_t i = stat0 + int64_t(at.g) * stat_stride + row;
+    if (ctid < kBlockM) return row < seqlen_q ? p.lse[i] : -kInf;
+    return row < seqlen_q ? p.dsum[i] : 0.f;
   };
   auto store_stat = [&](int t, float v) {
     if (ctid < kBlockM) v = v == -kInf ? kInf : v * kLog2e;
@@ -436,7 +490,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
         // P^T = exp2(S^T * scale_log2 - lse_log2), zero where the key is not visible
         const bool masked =
-            key0 + kBlockN > p.seqlen_k || (p.causal && key0 + kBlockN - 1 > row0 + diag);
+            key0 + kBlockN > seqlen_k || (p.causal && key0 + kBlockN - 1 > row0 + diag);
         CUTE_UNROLL
         for (int r = 0; r < size<0>(s_rc); ++r) {
           const int key = key0 + get<0>(c_rc(r, 0));
@@ -444,7 +498,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           for (int c = 0; c < size<1>(s_rc); ++c) {
             const int qi = get<1>(c_rc(r, c));
             const bool hidden =
-                masked && (key >= p.seqlen_k || (p.causal && key > row0 + qi + diag));
+                masked && (key >= seqlen_k || (p.causal && key > row0 + qi + diag));
             s_rc(r, c) = hidden ? 0.f : exp2f(fmaf(s_rc(r, c), p.scale_log2, -lse_r[c]));
           }
         }
@@ -512,8 +566,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   // ---- epilogue: dK (times the softmax scale) and dV, straight from the accumulators ----
   Tensor tDcD = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  T* dk_ptr = static_cast<T*>(p.dk) + batch * p.dk_batch_stride + kv_head * p.dk_head_stride;
-  T* dv_ptr = static_cast<T*>(p.dv) + batch * p.dv_batch_stride + kv_head * p.dv_head_stride;
+  // (packed: view 0, the sequence's rows from k_first on, its keys only; dense: k_first 0)
+  T* dk_ptr = static_cast<T*>(p.dk) + view * p.dk_batch_stride + int64_t(k_first) * p.dk_row_stride +
+              kv_head * p.dk_head_stride;
+  T* dv_ptr = static_cast<T*>(p.dv) + view * p.dv_batch_stride + int64_t(k_first) * p.dv_row_stride +
+              kv_head * p.dv_head_stride;
   const float scale = p.scale;
   static_assert(decltype(size(acc_dk))::value % 2 == 0, "accumulators hold column pairs");
   CUTE_UNROLL
@@ -525,14 +582,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       CUTE_UNROLL
       for (int j = i; j < i + 2; ++j) {  // not a pair: one element each
         const int kj = key0 + get<0>(tDcD(j));
-        if (kj < p.seqlen_k) {
+        if (kj < seqlen_k) {
           dk_ptr[int64_t(kj) * p.dk_row_stride + get<1>(tDcD(j))] = static_cast<T>(acc_dk(j) * scale);
           dv_ptr[int64_t(kj) * p.dv_row_stride + get<1>(tDcD(j))] = static_cast<T>(acc_dv(j));
         }
       }
       continue;
     }
-    if (key >= p.seqlen_k) continue;
+    if (key >= seqlen_k) continue;
     T* k_row = dk_ptr + int64_t(key) * p.dk_row_stride + col;
     T* v_row = dv_ptr + int64_t(key) * p.dv_row_stride + col;
     using Pair = cutlass::Array<T, 2>;

@@ -1,6 +1,7 @@
 // Host side of one Hopper backward configuration: the TMA descriptors (loads of Q, dO, K, V; the
 // reduce-add into the fp32 dQ workspace), the three launches
-// (preprocess, main kernel, dQ conversion) and the registration.
+// (preprocess, main kernel, dQ conversion; their packed-sequence forms when cu_seqlens are
+// set) and the registration.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,10 +18,16 @@ namespace sparktune {
 template <class Traits>
 cudaError_t launch_sm90_bwd(BwdParams const& p, cudaStream_t stream) {
   using T = typename Traits::Element;
+  // packed sequences: one view of all rows of each tensor (the kernel offsets each sequence's
+  // first row), with a stand-in batch stride that no coordinate steps
+  const bool packed = p.cu_seqlens_q != nullptr;
+  if (packed && (p.total_q < 1 || p.total_k < 1 || p.cu_seqlens_k == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
   // TMA reads q, k, v (the forward's rule) and dout
   if (!sm90_tma_compatible<T>(p) || !tma_pointer_ok(p.dout) ||
       !tma_stride_ok<T>(p.do_row_stride) || !tma_stride_ok<T>(p.do_head_stride) ||
-      !tma_stride_ok<T>(p.do_batch_stride)) {
+      !(packed || tma_stride_ok<T>(p.do_batch_stride))) {
     return cudaErrorInvalidValue;
   }
   constexpr int kSmem = Traits::kSmemBytes;
@@ -28,6 +35,19 @@ cudaError_t launch_sm90_bwd(BwdParams const& p, cudaStream_t stream) {
   if (cudaError_t err = ensure_smem_limit<&sm90_bwd_kernel<Traits>>(kSmem); err != cudaSuccess) {
     return err;
   }
+  const int rows_q = packed ? p.total_q : p.seqlen_q;
+  const int rows_k = packed ? p.total_k : p.seqlen_k;
+  const int views = packed ? 1 : p.batch;
+  const int64_t qb = packed ? int64_t(rows_q) * p.q_row_stride : p.q_batch_stride;
+  const int64_t dob = packed ? int64_t(rows_q) * p.do_row_stride : p.do_batch_stride;
+  const int64_t kb = packed ? int64_t(rows_k) * p.k_row_stride : p.k_batch_stride;
+  const int64_t vb = packed ? int64_t(rows_k) * p.v_row_stride : p.v_batch_stride;
+  // the fp32 dQ workspace (row, head_dim, head, batch): (batch, heads_q, seqlen_q, head_dim),
+  // packed (total_q, heads_q, head_dim); TMA leaves out the rows past seqlen_q (packed: total_q)
+  constexpr int64_t kD = Traits::kHeadDim;
+  const int64_t dq_row = packed ? int64_t(p.heads_q) * kD : kD;
+  const int64_t dq_head = packed ? kD : int64_t(p.seqlen_q) * kD;
+  const int64_t dq_batch = int64_t(p.heads_q) * rows_q * kD;
   auto view = &tma_gmem_view<T, Traits::kHeadDim>;
   using TileQ = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>;
   using TileKV = Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>;
@@ -35,42 +55,48 @@ cudaError_t launch_sm90_bwd(BwdParams const& p, cudaStream_t stream) {
   Sm90BwdArgs<Traits> args{
       p,
       make_tma_copy(SM90_TMA_LOAD{},
-                    view(p.q, p.seqlen_q, p.heads_q, p.batch, p.q_row_stride, p.q_head_stride,
-                         p.q_batch_stride),
+                    view(p.q, rows_q, p.heads_q, views, p.q_row_stride, p.q_head_stride, qb),
                     smem_q, TileQ{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{},
-                    view(p.dout, p.seqlen_q, p.heads_q, p.batch, p.do_row_stride,
-                         p.do_head_stride, p.do_batch_stride),
+                    view(p.dout, rows_q, p.heads_q, views, p.do_row_stride, p.do_head_stride, dob),
                     smem_q, TileQ{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{},
-                    view(p.k, p.seqlen_k, p.heads_kv, p.batch, p.k_row_stride, p.k_head_stride,
-                         p.k_batch_stride),
+                    view(p.k, rows_k, p.heads_kv, views, p.k_row_stride, p.k_head_stride, kb),
                     typename Traits::SmemLayoutK{}, TileKV{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{},
-                    view(p.v, p.seqlen_k, p.heads_kv, p.batch, p.v_row_stride, p.v_head_stride,
-                         p.v_batch_stride),
+                    view(p.v, rows_k, p.heads_kv, views, p.v_row_stride, p.v_head_stride, vb),
                     typename Traits::SmemLayoutV{}, TileKV{}, _1{}),
       make_tma_copy(SM90_TMA_REDUCE_ADD{},
                     make_tensor(make_gmem_ptr(p.dq_accum),
-                                make_layout(make_shape(int32_t(p.seqlen_q), int32_t(Traits::kHeadDim),
-                                                       int32_t(p.heads_q), int32_t(p.batch)),
-                                            make_stride(int64_t(Traits::kHeadDim), _1{},
-                                                        int64_t(p.seqlen_q) * Traits::kHeadDim,
-                                                        int64_t(p.heads_q) * p.seqlen_q * Traits::kHeadDim))),
+                                make_layout(make_shape(int32_t(rows_q), int32_t(Traits::kHeadDim),
+                                                       int32_t(p.heads_q), int32_t(views)),
+                                            make_stride(dq_row, _1{}, dq_head, dq_batch))),
                     typename Traits::SmemLayoutDqPart{},
                     Shape<Int<Traits::kBlockM>, Int<Traits::kDqCols>>{}, _1{}),
   };
-  dim3 row_grid(ceil_div(p.seqlen_q, kRowKernelRows), p.heads_q, p.batch);
-  bwd_preprocess_kernel<T><<<row_grid, kRowKernelThreads, 0, stream>>>(p);
+  // the row kernels: every (row, head) of each batch, packed every packed row of each head
+  dim3 row_grid = packed ? dim3(ceil_div(p.total_q, kRowKernelRows), p.heads_q, 1)
+                         : dim3(ceil_div(p.seqlen_q, kRowKernelRows), p.heads_q, p.batch);
+  if (packed) {
+    bwd_preprocess_packed_kernel<T><<<row_grid, kRowKernelThreads, 0, stream>>>(p);
+  } else {
+    bwd_preprocess_kernel<T><<<row_grid, kRowKernelThreads, 0, stream>>>(p);
+  }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   // key blocks along x (deterministic causal: from the last one): in deterministic mode a
-  // block waits only for blocks of lower index (launched before it)
+  // block waits only for blocks of lower index (launched before it). Packed: the longest
+  // sequence's key blocks (p.seqlen_k), for every sequence along z; a block past its
+  // sequence's keys leaves at once.
   dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch);
   kernel<<<grid, Traits::kThreads, kSmem, stream>>>(args);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  bwd_convert_dq_kernel<T><<<row_grid, kRowKernelThreads, 0, stream>>>(p);
+  if (packed) {
+    bwd_convert_dq_packed_kernel<T><<<row_grid, kRowKernelThreads, 0, stream>>>(p);
+  } else {
+    bwd_convert_dq_kernel<T><<<row_grid, kRowKernelThreads, 0, stream>>>(p);
+  }
   return cudaGetLastError();
 }
 
