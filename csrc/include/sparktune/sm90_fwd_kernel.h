@@ -13,10 +13,11 @@
 // walks the block's tiles (static rounds, or the next tile from a global counter) and tells the
 // consumers each one through the Q slot it loads (see "tile messages" below).
 //
-// Sliding windows (runtime, docs/FEATURES.md): a row block visits only the key blocks that
-// meet its band (key_range: the producer loads and the consumers walk the same range) and
-// applies the element mask only to the blocks at the band's edges and the key tail. The plain
-// path (no window) visits and masks the blocks it always did.
+// Attention features (runtime, docs/FEATURES.md): a sliding window limits the key blocks a row
+// block visits to those that meet its band (key_range: the producer loads and the consumers
+// walk the same range) and the element mask to the blocks at the band's edges and the key
+// tail; soft-capping changes the scores in registers before the mask (modify_s). The plain
+// path (no window or softcap) visits and masks the blocks it always did.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -85,6 +86,14 @@ CUTE_DEVICE void convert_into(Src const& src, Dst& dst) {
   cutlass::NumericArrayConverter<To, From, N> convert;
   *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
       convert(*reinterpret_cast<cutlass::Array<From, N> const*>(src.data()));
+}
+
+// tanh on the special-function unit (tanh.approx.f32: one instruction, relative error about
+// 2^-11), for the soft-capped scores
+CUTE_DEVICE float tanh_approx(const float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // Bytes from a shared-memory pointer to the next multiple of kAlign of its shared address.
@@ -442,7 +451,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kRows = decltype(size<0>(sm90::rowcol_view(typename AccS::layout_type{})))::value;
   float row_max[kRows];
   float row_sum[kRows];
-  const float scale_log2 = p.scale_log2;
+  // the exponent's multiplier of a score (base 2): scale log2 e, or softcap log2 e for the
+  // soft-capped scores (modify_s below)
+  const float scale_log2 = p.softcap > 0.f ? p.softcap_log2 : p.scale_log2;
   int stage = 0, phase = 0, q_round = 0;
 
   // one tile, or (persistent) the tiles of the producer's messages until the end message
@@ -509,6 +520,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       }
     };
+    // Soft-capping (docs/FEATURES.md: before the mask) on the whole block, in the scores'
+    // units: the exponent is score * scale_log2 - max, where a score is q.k (scale_log2 =
+    // scale log2 e) or, soft-capped, tanh(q.k scale / softcap) (scale_log2 = softcap log2 e).
+    const bool softcap_on = p.softcap > 0.f;
+    auto modify_s = [&](auto& acc_s, const int n) {
+      const float cap_in = p.softcap_in;
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) acc_s(i) = sm90::tanh_approx(acc_s(i) * cap_in);
+    };
+
     auto step = [&](const int n, auto mask_tag) {
       constexpr bool kMask = decltype(mask_tag)::value;
       // S = Q K^T
@@ -519,6 +540,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (lane == 0) k_empty[stage].arrive();
 
       Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
+      if (softcap_on) modify_s(acc_s, n);
       if constexpr (kMask) mask_s(acc_s, n);  // the band's edges and the key tail
 
       // online softmax, base 2; a row is spread over the four lanes of a quad
@@ -645,6 +667,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_s);
         if (lane == 0) k_empty[stage].arrive();
+        if (softcap_on) modify_s(acc_s, n);
         if (needs_mask(n)) mask_s(acc_s, n);
         softmax_s(acc_s);
         sm90::convert_into(acc_s, rP);
@@ -662,6 +685,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         warpgroup_wait<1>();  // S_j is done, P_{j-1} V_{j-1} may still run
         warpgroup_fence_operand(acc_s);
         if (lane == 0) k_empty[stage].arrive();
+        if (softcap_on) modify_s(acc_s, n);
         if constexpr (kMask) mask_s(acc_s, n);
         softmax_s(acc_s);
         warpgroup_wait<0>();  // O and P_{j-1} are free again
