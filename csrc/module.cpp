@@ -138,12 +138,12 @@ void check_launch(cudaError_t err, const std::string& name) {
 
 // The attention features of the family 90 forward (FwdParams): checked, then set.
 void fill_features(FwdParams& p, const KernelInfo& info, int window_left, int window_right,
-                   double softcap) {
-  const bool on = window_left != -1 || window_right != -1 || softcap != 0.0;
+                   double softcap, uintptr_t alibi_slopes, int64_t alibi_batch_stride) {
+  const bool on = window_left != -1 || window_right != -1 || softcap != 0.0 || alibi_slopes != 0;
   if (on && (info.family != 90 || info.op != "fwd")) {
     throw std::invalid_argument("kernel '" + info.name +
-                                "' has no sliding window or softcap (the family 90 forward, "
-                                "fwd_sm90_*, has them)");
+                                "' has no sliding window, softcap or ALiBi (the family 90 "
+                                "forward, fwd_sm90_*, has them)");
   }
   if (window_left < -1 || window_right < -1) {
     throw std::invalid_argument("window sides must be >= 0, or -1 for unlimited, got (" +
@@ -153,6 +153,9 @@ void fill_features(FwdParams& p, const KernelInfo& info, int window_left, int wi
   if (!(softcap >= 0.0) || !std::isfinite(softcap)) {
     throw std::invalid_argument("softcap must be finite and >= 0 (0 for off)");
   }
+  if (alibi_batch_stride < 0) {
+    throw std::invalid_argument("alibi_batch_stride must be >= 0 (0: one slope per head)");
+  }
   p.window_left = window_left;
   p.window_right = window_right;
   if (softcap > 0.0) {
@@ -160,14 +163,16 @@ void fill_features(FwdParams& p, const KernelInfo& info, int window_left, int wi
     p.softcap_in = static_cast<float>(double(p.scale) / softcap);
     p.softcap_log2 = static_cast<float>(softcap * 1.4426950408889634);
   }
+  p.alibi_slopes = reinterpret_cast<const float*>(alibi_slopes);
+  p.alibi_batch_stride = alibi_batch_stride;
 }
 
 void fwd(const std::string& name, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o,
          uintptr_t lse, int batch, int heads_q, int heads_kv, int seqlen_q, int seqlen_k,
          int head_dim, Strides qs, Strides ks, Strides vs, Strides os, double scale, bool causal,
          uintptr_t stream, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q,
-         int total_k, uintptr_t tile_counter, int window_left, int window_right,
-         double softcap) {
+         int total_k, uintptr_t tile_counter, int window_left, int window_right, double softcap,
+         uintptr_t alibi_slopes, int64_t alibi_batch_stride) {
   const KernelInfo& info = find_kernel(name, "fwd");
   if (tile_counter != 0 && info.family != 90) {
     throw std::invalid_argument("kernel '" + name +
@@ -176,7 +181,7 @@ void fwd(const std::string& name, uintptr_t q, uintptr_t k, uintptr_t v, uintptr
   FwdParams p;
   fill_common(p, info, q, k, v, o, lse, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim,
               qs, ks, vs, os, scale, causal);
-  fill_features(p, info, window_left, window_right, softcap);
+  fill_features(p, info, window_left, window_right, softcap, alibi_slopes, alibi_batch_stride);
   if (cu_seqlens_q != 0 || cu_seqlens_k != 0) {
     if (info.family != 90) {
       throw std::invalid_argument("kernel '" + name +
@@ -258,7 +263,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("causal"), py::arg("stream"), py::arg("cu_seqlens_q") = 0,
         py::arg("cu_seqlens_k") = 0, py::arg("total_q") = 0, py::arg("total_k") = 0,
         py::arg("tile_counter") = 0, py::arg("window_left") = -1, py::arg("window_right") = -1,
-        py::arg("softcap") = 0.0);
+        py::arg("softcap") = 0.0, py::arg("alibi_slopes") = 0, py::arg("alibi_batch_stride") = 0);
   m.def("bwd", &bwd, py::arg("name"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
         py::arg("lse"), py::arg("dout"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
         py::arg("dq_accum"), py::arg("dsum"), py::arg("batch"), py::arg("heads_q"),

@@ -42,6 +42,11 @@ struct FwdParams {
   float softcap = 0.f;
   float softcap_in = 0.f;
   float softcap_log2 = 0.f;
+  // ALiBi (after the softcap): s -= slope * |i + diag - j| with the fp32 slope
+  // alibi_slopes[b * alibi_batch_stride + h] of sequence b and query head h (batch stride 0:
+  // one slope per head); null: off
+  const float* alibi_slopes = nullptr;
+  int64_t alibi_batch_stride = 0;
 
   // Packed sequences (the family 90 forward only; null elsewhere): sequence b is rows
   // cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q, o and cu_seqlens_k[b] .. of k, v, each a

@@ -16,8 +16,8 @@
 // Attention features (runtime, docs/FEATURES.md): a sliding window limits the key blocks a row
 // block visits to those that meet its band (key_range: the producer loads and the consumers
 // walk the same range) and the element mask to the blocks at the band's edges and the key
-// tail; soft-capping changes the scores in registers before the mask (modify_s). The plain
-// path (no window or softcap) visits and masks the blocks it always did.
+// tail; soft-capping and ALiBi change the scores in registers before the mask (modify_s).
+// The plain path (no window, softcap or ALiBi) visits and masks the blocks it always did.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -520,14 +520,37 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       }
     };
-    // Soft-capping (docs/FEATURES.md: before the mask) on the whole block, in the scores'
-    // units: the exponent is score * scale_log2 - max, where a score is q.k (scale_log2 =
-    // scale log2 e) or, soft-capped, tanh(q.k scale / softcap) (scale_log2 = softcap log2 e).
+    // Soft-capping and ALiBi (docs/FEATURES.md: in that order, before the mask) on the whole
+    // block, in the scores' units: the exponent is score * scale_log2 - max, where a score is
+    // q.k (scale_log2 = scale log2 e) or, soft-capped, tanh(q.k scale / softcap)
+    // (scale_log2 = softcap log2 e); ALiBi's slope is divided by scale, or by softcap, to match.
     const bool softcap_on = p.softcap > 0.f;
+    const bool alibi_on = p.alibi_slopes != nullptr;
+    const float alibi_coef =
+        alibi_on ? p.alibi_slopes[int64_t(batch) * p.alibi_batch_stride + head] /
+                       (softcap_on ? p.softcap : p.scale)
+                 : 0.f;
     auto modify_s = [&](auto& acc_s, const int n) {
-      const float cap_in = p.softcap_in;
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) acc_s(i) = sm90::tanh_approx(acc_s(i) * cap_in);
+      Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
+      if (softcap_on) {
+        const float cap_in = p.softcap_in;
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_s); ++i) acc_s(i) = sm90::tanh_approx(acc_s(i) * cap_in);
+      }
+      if (alibi_on) {
+        // |row + diag - col| as a float: the thread's distance at its first column, less each
+        // element's column offset from it (a constant); exact below 2^24
+        const int col_base = get<1>(c_rc(0, 0));
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(s_rc); ++r) {
+          const float dist0 = float(row0 + get<0>(c_rc(r, 0)) + diag - n * kBlockN - col_base);
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(s_rc); ++c) {
+            const float dc = float(get<1>(c_rc(r, c)) - col_base);
+            s_rc(r, c) = fmaf(-alibi_coef, fabsf(dist0 - dc), s_rc(r, c));
+          }
+        }
+      }
     };
 
     auto step = [&](const int n, auto mask_tag) {
@@ -540,7 +563,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (lane == 0) k_empty[stage].arrive();
 
       Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
-      if (softcap_on) modify_s(acc_s, n);
+      if (softcap_on || alibi_on) modify_s(acc_s, n);
       if constexpr (kMask) mask_s(acc_s, n);  // the band's edges and the key tail
 
       // online softmax, base 2; a row is spread over the four lanes of a quad
@@ -667,7 +690,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_s);
         if (lane == 0) k_empty[stage].arrive();
-        if (softcap_on) modify_s(acc_s, n);
+        if (softcap_on || alibi_on) modify_s(acc_s, n);
         if (needs_mask(n)) mask_s(acc_s, n);
         softmax_s(acc_s);
         sm90::convert_into(acc_s, rP);
@@ -685,7 +708,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         warpgroup_wait<1>();  // S_j is done, P_{j-1} V_{j-1} may still run
         warpgroup_fence_operand(acc_s);
         if (lane == 0) k_empty[stage].arrive();
-        if (softcap_on) modify_s(acc_s, n);
+        if (softcap_on || alibi_on) modify_s(acc_s, n);
         if constexpr (kMask) mask_s(acc_s, n);
         softmax_s(acc_s);
         warpgroup_wait<0>();  // O and P_{j-1} are free again
