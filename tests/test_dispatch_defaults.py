@@ -75,13 +75,14 @@ def test_attention_features_default_to_the_triton_family_on_a_gpu(features):
     builds its block mask on every call); plain problems keep SDPA's own choice, CPU tensors
     and Volta keep their orders."""
     reg = {**_registered(), "triton": _StandInTriton()}
-    del reg["spark"]  # (its stand-in runs anything; the real one refuses these features)
+    del reg["spark"]  # (its stand-in runs anything; the real one runs some of these forwards)
     p = problem(dtype="bfloat16", heads_q=16, heads_kv=16, head_dim=128, causal=True, **features)
     sel = _resolve.heuristic_default(p, HOPPER, registered=reg)
     assert sel.candidate.backend == "triton" and sel.source == "default", sel
-    if p.varlen:  # the Hopper forward comes first there, and cannot run here
+    if not p.dropout:  # the Hopper forward comes first there, and cannot run here
         assert "the Hopper forward first, then the Triton family" in sel.detail
-        assert _resolve.default_order(HOPPER, p) == _resolve.HOPPER_VARLEN_FWD_ORDER
+        hopper = _resolve.HOPPER_VARLEN_FWD_ORDER if p.varlen else _resolve.HOPPER_FEATURE_FWD_ORDER
+        assert _resolve.default_order(HOPPER, p) == hopper
         p = dataclasses.replace(p, op="bwd")
     assert "Triton family" in _resolve.heuristic_default(p, HOPPER, registered=reg).detail
     assert _resolve.default_order(HOPPER, p) == _resolve.FEATURE_DEFAULT_ORDER
@@ -92,16 +93,17 @@ def test_attention_features_default_to_the_triton_family_on_a_gpu(features):
 
 
 class _StandInHopperForward(ReferenceBackend):
-    """Stands in for the spark backend on an H200: its family 90 forward runs packed sequences
-    (and nothing else with features); its backward does not."""
+    """Stands in for the spark backend on an H200: its family 90 forward runs packed sequences,
+    sliding windows, soft-capping and ALiBi (not dropout); its backward none of them."""
 
     name = "spark"
-    features = frozenset({"deterministic", "varlen"})
+    features = frozenset({"deterministic", "varlen", "window", "softcap", "alibi"})
 
     def not_supported_reasons(self, problem, config=None, device=None):
         if device is None:
             return ["needs CUDA"]
-        return ["no packed-sequence backward"] if problem.varlen and problem.op == "bwd" else []
+        hopper_only = problem.features & {"varlen", "window", "softcap", "alibi"}
+        return ["no backward with these features"] if hopper_only and problem.op == "bwd" else []
 
 
 def test_packed_sequences_forward_on_hopper_defaults_to_the_hopper_family():
@@ -109,12 +111,47 @@ def test_packed_sequences_forward_on_hopper_defaults_to_the_hopper_family():
     varlen = dict(varlen=True, batch=8, seqlen_q=2048, seqlen_k=2048, total_q=16384, total_k=16384)
     p = problem(dtype="bfloat16", heads_q=16, heads_kv=16, head_dim=128, causal=True, **varlen)
     sel = _resolve.heuristic_default(p, HOPPER, registered=reg)
-    assert sel.candidate.backend == "spark" and "the Hopper forward first" in sel.detail, sel
-    # its backward, another feature with it, or another GPU: the Triton family
+    assert sel.candidate.backend == "spark" and "packed sequences on sm_90" in sel.detail, sel
+    # a window with it: still the Hopper forward (the features' order)
+    windowed = dataclasses.replace(p, window_left=256)
+    sel = _resolve.heuristic_default(windowed, HOPPER, registered=reg)
+    assert sel.candidate.backend == "spark" and "windows, soft-capping or ALiBi" in sel.detail, sel
+    # its backward, dropout with it, or another GPU: the Triton family
     for other, device in ((dataclasses.replace(p, op="bwd"), HOPPER),
-                          (dataclasses.replace(p, window_left=256), HOPPER),
+                          (dataclasses.replace(windowed, op="bwd"), HOPPER),
+                          (dataclasses.replace(p, dropout=True), HOPPER),
                           (p, dataclasses.replace(HOPPER, capability=(8, 0)))):
         assert _resolve.heuristic_default(other, device, registered=reg).candidate.backend == "triton"
+
+
+@pytest.mark.parametrize("features", [dict(window_left=4095), dict(window_left=3, window_right=5, causal=False),
+                                      dict(softcap=True), dict(alibi=True),
+                                      dict(window_left=1023, softcap=True, alibi=True)])
+def test_window_softcap_alibi_forward_on_hopper_defaults_to_the_hopper_family(features):
+    """Windows, soft-capping and ALiBi (alone or together): on sm_90 the forward tries the
+    Hopper forward first (HOPPER_FEATURE_FWD_ORDER), the backward the Triton family
+    (FEATURE_DEFAULT_ORDER; the family 90 backward has none of them); with dropout, and on
+    other GPUs, the Triton family first for both."""
+    reg = {**_registered(), "triton": _StandInTriton(), "spark": _StandInHopperForward()}
+    kw = dict(dtype="bfloat16", heads_q=16, heads_kv=16, head_dim=128, causal=True)
+    p = problem(**{**kw, **features})
+    assert _resolve.default_order(HOPPER, p) == _resolve.HOPPER_FEATURE_FWD_ORDER
+    assert _resolve.HOPPER_FEATURE_FWD_ORDER[0] == "spark"
+    sel = _resolve.heuristic_default(p, HOPPER, registered=reg)
+    assert sel.candidate.backend == "spark" and sel.source == "default", sel
+    assert "windows, soft-capping or ALiBi on sm_90: the Hopper forward first" in sel.detail
+    bwd = dataclasses.replace(p, op="bwd")
+    assert _resolve.default_order(HOPPER, bwd) == _resolve.FEATURE_DEFAULT_ORDER
+    assert _resolve.heuristic_default(bwd, HOPPER, registered=reg).candidate.backend == "triton"
+    dropout = dataclasses.replace(p, dropout=True)
+    assert _resolve.default_order(HOPPER, dropout) == _resolve.FEATURE_DEFAULT_ORDER
+    assert _resolve.heuristic_default(dropout, HOPPER, registered=reg).candidate.backend == "triton"
+    ampere = dataclasses.replace(HOPPER, capability=(8, 0))
+    assert _resolve.default_order(ampere, p) == _resolve.FEATURE_DEFAULT_ORDER
+    assert _resolve.heuristic_default(p, ampere, registered=reg).candidate.backend == "triton"
+    # where the Hopper forward cannot run the problem, the next in the order takes it
+    del reg["spark"]
+    assert _resolve.heuristic_default(p, HOPPER, registered=reg).candidate.backend == "triton"
 
 
 @pytest.fixture
