@@ -164,11 +164,43 @@ void check_launch(cudaError_t err, const std::string& name) {
   }
 }
 
+// The attention features of the family 90 forward (FwdParams): checked, then set.
+void fill_features(FwdParams& p, const KernelInfo& info, int window_left, int window_right,
+                   double softcap, uintptr_t alibi_slopes, int64_t alibi_batch_stride) {
+  const bool on = window_left != -1 || window_right != -1 || softcap != 0.0 || alibi_slopes != 0;
+  if (on && (info.family != 90 || info.op != "fwd")) {
+    throw std::invalid_argument("kernel '" + info.name +
+                                "' has no sliding window, softcap or ALiBi (the family 90 "
+                                "forward, fwd_sm90_*, has them)");
+  }
+  if (window_left < -1 || window_right < -1) {
+    throw std::invalid_argument("window sides must be >= 0, or -1 for unlimited, got (" +
+                                std::to_string(window_left) + ", " +
+                                std::to_string(window_right) + ")");
+  }
+  if (!(softcap >= 0.0) || !std::isfinite(softcap)) {
+    throw std::invalid_argument("softcap must be finite and >= 0 (0 for off)");
+  }
+  if (alibi_batch_stride < 0) {
+    throw std::invalid_argument("alibi_batch_stride must be >= 0 (0: one slope per head)");
+  }
+  p.window_left = window_left;
+  p.window_right = window_right;
+  if (softcap > 0.0) {
+    p.softcap = static_cast<float>(softcap);
+    p.softcap_in = static_cast<float>(double(p.scale) / softcap);
+    p.softcap_log2 = static_cast<float>(softcap * 1.4426950408889634);
+  }
+  p.alibi_slopes = reinterpret_cast<const float*>(alibi_slopes);
+  p.alibi_batch_stride = alibi_batch_stride;
+}
+
 void fwd(const std::string& name, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o,
          uintptr_t lse, int batch, int heads_q, int heads_kv, int seqlen_q, int seqlen_k,
          int head_dim, Strides qs, Strides ks, Strides vs, Strides os, double scale, bool causal,
          uintptr_t stream, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q,
-         int total_k, uintptr_t tile_counter) {
+         int total_k, uintptr_t tile_counter, int window_left, int window_right, double softcap,
+         uintptr_t alibi_slopes, int64_t alibi_batch_stride) {
   const KernelInfo& info = find_kernel(name, "fwd");
   if (tile_counter != 0 && info.family != 90) {
     throw std::invalid_argument("kernel '" + name +
@@ -178,6 +210,7 @@ void fwd(const std::string& name, uintptr_t q, uintptr_t k, uintptr_t v, uintptr
   fill_common(p, info, q, k, v, o, lse, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim,
               qs, ks, vs, os, scale, causal);
   fill_packed(p, info, "fwd", cu_seqlens_q, cu_seqlens_k, total_q, total_k);
+  fill_features(p, info, window_left, window_right, softcap, alibi_slopes, alibi_batch_stride);
   p.tile_counter = reinterpret_cast<int*>(tile_counter);
   check_launch(info.launch(p, reinterpret_cast<cudaStream_t>(stream)), name);
 }
@@ -246,7 +279,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("k_strides"), py::arg("v_strides"), py::arg("o_strides"), py::arg("scale"),
         py::arg("causal"), py::arg("stream"), py::arg("cu_seqlens_q") = 0,
         py::arg("cu_seqlens_k") = 0, py::arg("total_q") = 0, py::arg("total_k") = 0,
-        py::arg("tile_counter") = 0);
+        py::arg("tile_counter") = 0, py::arg("window_left") = -1, py::arg("window_right") = -1,
+        py::arg("softcap") = 0.0, py::arg("alibi_slopes") = 0, py::arg("alibi_batch_stride") = 0);
   m.def("bwd", &bwd, py::arg("name"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
         py::arg("lse"), py::arg("dout"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
         py::arg("dq_accum"), py::arg("dsum"), py::arg("batch"), py::arg("heads_q"),

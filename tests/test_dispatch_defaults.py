@@ -75,7 +75,7 @@ def test_attention_features_default_to_the_triton_family_on_a_gpu(features):
     builds its block mask on every call); plain problems keep SDPA's own choice, CPU tensors
     and Volta keep their orders."""
     reg = {**_registered(), "triton": _StandInTriton()}
-    del reg["spark"]  # (its stand-in runs anything; the real one refuses these features)
+    del reg["spark"]  # (its stand-in runs anything; the real one runs some of these forwards)
     p = problem(dtype="bfloat16", heads_q=16, heads_kv=16, head_dim=128, causal=True, **features)
     sel = _resolve.heuristic_default(p, HOPPER, registered=reg)
     assert sel.candidate.backend == "triton" and sel.source == "default", sel
@@ -86,8 +86,12 @@ def test_attention_features_default_to_the_triton_family_on_a_gpu(features):
             assert sel.candidate.backend == "triton", sel
             assert "the Hopper kernels first (forward and backward), then the Triton family" in sel.detail
             assert _resolve.default_order(HOPPER, pv) == _resolve.HOPPER_VARLEN_ORDER
-        p = dataclasses.replace(p, window_left=256)  # with another feature: the Triton family first
-    for op in ("fwd", "bwd"):
+        p = dataclasses.replace(p, dropout=True)  # with dropout: the Triton family first
+    elif not p.dropout:  # windows, softcap, ALiBi: the Hopper forward first (cannot run here)
+        assert "the Hopper forward first, then the Triton family" in sel.detail
+        assert _resolve.default_order(HOPPER, p) == _resolve.HOPPER_FEATURE_FWD_ORDER
+        p = dataclasses.replace(p, op="bwd")
+    for op in (("fwd", "bwd") if p.dropout else ("bwd",)):
         p = dataclasses.replace(p, op=op)
         assert "Triton family" in _resolve.heuristic_default(p, HOPPER, registered=reg).detail
         assert _resolve.default_order(HOPPER, p) == _resolve.FEATURE_DEFAULT_ORDER
@@ -98,11 +102,12 @@ def test_attention_features_default_to_the_triton_family_on_a_gpu(features):
 
 
 class _StandInHopper(ReferenceBackend):
-    """Stands in for the spark backend on an H200: its family 90 forward and backward run packed
-    sequences (the backward deterministic too), and nothing else with features."""
+    """Stands in for the spark backend on an H200: its family 90 forward runs packed sequences,
+    sliding windows, soft-capping and ALiBi, its family 90 backward packed sequences (also
+    deterministic); nothing else with features."""
 
     name = "spark"
-    features = frozenset({"deterministic", "varlen"})
+    features = frozenset({"deterministic", "varlen", "window", "softcap", "alibi"})
 
     def not_supported_reasons(self, problem, config=None, device=None):
         return [] if device is not None else ["needs CUDA"]
@@ -114,7 +119,8 @@ class _StandInHopperForwardOnly(_StandInHopper):
     def not_supported_reasons(self, problem, config=None, device=None):
         if device is None:
             return ["needs CUDA"]
-        return ["no packed-sequence backward"] if problem.varlen and problem.op == "bwd" else []
+        hopper_only = problem.features & {"varlen", "window", "softcap", "alibi"}
+        return ["no backward with these features"] if hopper_only and problem.op == "bwd" else []
 
 
 def test_packed_sequences_on_hopper_default_to_the_hopper_family():
@@ -130,17 +136,54 @@ def test_packed_sequences_on_hopper_default_to_the_hopper_family():
         sel = _resolve.heuristic_default(q, HOPPER, registered=reg)
         assert sel.candidate.backend == "spark" and "the Hopper kernels first" in sel.detail, (q, sel)
         assert _resolve.default_order(HOPPER, q) == _resolve.HOPPER_VARLEN_ORDER
-    # another feature with it, or another GPU: the Triton family
+    # another GPU, dropout with it, or the backward of a call with a window too: the Triton
+    # family; the forward of a call with a window too: the Hopper forward (the features' order)
     for q in ops:
-        for other, device in ((dataclasses.replace(q, window_left=256), HOPPER),
-                              (q, dataclasses.replace(HOPPER, capability=(8, 0)))):
+        for other, device in ((q, dataclasses.replace(HOPPER, capability=(8, 0))),
+                              (dataclasses.replace(q, dropout=True), HOPPER)):
             assert _resolve.heuristic_default(other, device, registered=reg).candidate.backend == "triton"
+    windowed = dataclasses.replace(p, window_left=256)
+    sel = _resolve.heuristic_default(windowed, HOPPER, registered=reg)
+    assert sel.candidate.backend == "spark" and "windows, soft-capping or ALiBi" in sel.detail, sel
+    for q in ops[1:]:
+        other = dataclasses.replace(q, window_left=256)
+        assert _resolve.heuristic_default(other, HOPPER, registered=reg).candidate.backend == "triton"
     # a spark build without the packed backward: the forward stays on it, the backward moves on
     reg["spark"] = _StandInHopperForwardOnly()
     assert _resolve.heuristic_default(p, HOPPER, registered=reg).candidate.backend == "spark"
     for q in ops[1:]:
         sel = _resolve.heuristic_default(q, HOPPER, registered=reg)
         assert sel.candidate.backend == "triton" and "the Hopper kernels first" in sel.detail, sel
+
+
+@pytest.mark.parametrize("features", [dict(window_left=4095), dict(window_left=3, window_right=5, causal=False),
+                                      dict(softcap=True), dict(alibi=True),
+                                      dict(window_left=1023, softcap=True, alibi=True)])
+def test_window_softcap_alibi_forward_on_hopper_defaults_to_the_hopper_family(features):
+    """Windows, soft-capping and ALiBi (alone or together): on sm_90 the forward tries the
+    Hopper forward first (HOPPER_FEATURE_FWD_ORDER), the backward the Triton family
+    (FEATURE_DEFAULT_ORDER; the family 90 backward has none of them); with dropout, and on
+    other GPUs, the Triton family first for both."""
+    reg = {**_registered(), "triton": _StandInTriton(), "spark": _StandInHopperForwardOnly()}
+    kw = dict(dtype="bfloat16", heads_q=16, heads_kv=16, head_dim=128, causal=True)
+    p = problem(**{**kw, **features})
+    assert _resolve.default_order(HOPPER, p) == _resolve.HOPPER_FEATURE_FWD_ORDER
+    assert _resolve.HOPPER_FEATURE_FWD_ORDER[0] == "spark"
+    sel = _resolve.heuristic_default(p, HOPPER, registered=reg)
+    assert sel.candidate.backend == "spark" and sel.source == "default", sel
+    assert "windows, soft-capping or ALiBi on sm_90: the Hopper forward first" in sel.detail
+    bwd = dataclasses.replace(p, op="bwd")
+    assert _resolve.default_order(HOPPER, bwd) == _resolve.FEATURE_DEFAULT_ORDER
+    assert _resolve.heuristic_default(bwd, HOPPER, registered=reg).candidate.backend == "triton"
+    dropout = dataclasses.replace(p, dropout=True)
+    assert _resolve.default_order(HOPPER, dropout) == _resolve.FEATURE_DEFAULT_ORDER
+    assert _resolve.heuristic_default(dropout, HOPPER, registered=reg).candidate.backend == "triton"
+    ampere = dataclasses.replace(HOPPER, capability=(8, 0))
+    assert _resolve.default_order(ampere, p) == _resolve.FEATURE_DEFAULT_ORDER
+    assert _resolve.heuristic_default(p, ampere, registered=reg).candidate.backend == "triton"
+    # where the Hopper forward cannot run the problem, the next in the order takes it
+    del reg["spark"]
+    assert _resolve.heuristic_default(p, HOPPER, registered=reg).candidate.backend == "triton"
 
 
 @pytest.fixture

@@ -134,6 +134,90 @@ def test_packed_problems_run_on_the_hopper_family_only():
     assert b._config_reasons(dataclasses.replace(dense, op="bwd"), {**k90, "family": 80, "op": "bwd"}, None) == []
 
 
+@pytest.mark.parametrize(
+    "features,text",
+    [
+        (dict(window_left=255, window_right=-1, causal=True), "sliding windows"),
+        (dict(window_left=3, window_right=7), "sliding windows"),
+        (dict(softcap=True), "soft-capping"),
+        (dict(alibi=True), "ALiBi"),
+        (dict(window_left=63, window_right=-1, causal=True, softcap=True, alibi=True, varlen=True,
+              total_q=16384, total_k=16384),
+         "sliding windows and soft-capping and ALiBi"),  # (packed sequences: fwd and bwd)
+    ],
+)
+def test_window_softcap_alibi_run_on_the_hopper_forward_only(features, text):
+    """window, softcap and alibi are declared by the backend, alone or together (and with
+    packed sequences); the family 90 forward takes them, every other kernel says which it lacks
+    and where they run."""
+    import dataclasses
+
+    b = SparkBackend()
+    assert {"window", "softcap", "alibi", "varlen"} <= b.features
+    assert "dropout" not in b.features
+    p = Problem("fwd", "bfloat16", 8, 16, 16, 2048, 2048, 128, features.get("causal", False),
+                False, **{k: v for k, v in features.items() if k != "causal"})
+    assert b.feature_reasons(p) == []
+    k90 = dict(dtype="bfloat16", head_dim=128, accum=32, family=90, op="fwd")
+    assert b._config_reasons(p, k90, None) == []
+    for kernel, problem in (({**k90, "family": 80}, p), ({**k90, "family": 70}, p),
+                            ({**k90, "op": "bwd"}, dataclasses.replace(p, op="bwd"))):
+        reasons = b._config_reasons(problem, kernel, None)
+        want = (f"{text} run on the family 90 forward only (fwd_sm90_*, sm_90); this is a family "
+                f"{kernel['family']} {kernel['op']} kernel")
+        assert want in reasons, reasons
+    # dropout is not the backend's: refused before any kernel is asked
+    dropout = dataclasses.replace(p, dropout=True)
+    assert b.feature_reasons(dropout) == ["backend 'spark' does not support the feature 'dropout'"]
+
+
+def test_feature_arguments_of_the_hopper_forward():
+    """What forward passes to the kernel for window, softcap and alibi_slopes: a side that
+    reaches past every key unlimited (so that any int fits the kernel's int32), ALiBi's batch
+    stride 0 for (Hq,) slopes and for a broadcast (B, Hq) view; each bad argument raises with
+    what is wrong."""
+    from sparktune.backends.spark import _feature_args
+
+    cpu = torch.device("cpu")
+
+    def args(window=None, softcap=0.0, alibi=None, b=2, hq=4, nq=100, nk=300):
+        return _feature_args(window, softcap, alibi, b, hq, nq, nk, cpu)
+
+    assert args((5, 7)) == dict(window_left=5, window_right=7)
+    assert args((0, 0)) == dict(window_left=0, window_right=0)
+    assert args((299, 99)) == dict(window_left=299, window_right=99)
+    assert args((300, 100)) == dict(window_left=-1, window_right=-1)
+    assert args((2**40, -1)) == dict(window_left=-1, window_right=-1)
+    assert args([-1, 3]) == dict(window_left=-1, window_right=3)
+    assert args(softcap=30) == dict(softcap=30.0)
+    heads = torch.rand(4)
+    kw = args(alibi=heads)
+    assert kw["alibi_slopes"] is heads and kw["alibi_batch_stride"] == 0
+    kw = args(alibi=heads.expand(2, 4))
+    assert kw["alibi_slopes"].data_ptr() == heads.data_ptr() and kw["alibi_batch_stride"] == 0
+    per_batch = torch.rand(2, 4)
+    assert args(alibi=per_batch)["alibi_batch_stride"] == 4
+    strided = torch.rand(4, 2)[:, 0]  # stride 2: copied to a contiguous tensor
+    kw = args(alibi=strided)
+    assert kw["alibi_slopes"].is_contiguous() and torch.equal(kw["alibi_slopes"], strided)
+    for bad, exc, match in (
+        (dict(window=(3,)), TypeError, "window must be a pair of ints"),
+        (dict(window=(1.5, 2)), TypeError, "window must be a pair of ints"),
+        (dict(window=(True, 2)), TypeError, "window must be a pair of ints"),
+        (dict(window=(-2, 2)), ValueError, r"window sides must be >= 0, or -1 for unlimited, got \(-2, 2\)"),
+        (dict(softcap=-1.0), ValueError, "softcap must be finite and >= 0"),
+        (dict(softcap=float("inf")), ValueError, "softcap must be finite and >= 0"),
+        (dict(softcap=float("nan")), ValueError, "softcap must be finite and >= 0"),
+        (dict(alibi=torch.rand(4, dtype=torch.float64)), TypeError, "alibi_slopes must be a float32 tensor"),
+        (dict(alibi=torch.rand(3)), ValueError, r"alibi_slopes must have shape \(4,\) or \(2, 4\), got \(3,\)"),
+        (dict(alibi=torch.rand(3, 4)), ValueError, r"got \(3, 4\)"),
+    ):
+        with pytest.raises(exc, match=match):
+            args(**bad)
+    with pytest.raises(ValueError, match="alibi_slopes is on cpu, the inputs on meta"):
+        _feature_args(None, 0.0, heads, 2, 4, 100, 300, torch.device("meta"))
+
+
 def test_backend_without_gpu_says_why():
     b = SparkBackend()
     p = Problem("fwd", "float16", 1, 2, 2, 16, 16, 64, False)

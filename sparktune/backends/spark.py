@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -89,19 +90,75 @@ def _tma_refuses(config: str, strides: Sequence[Sequence[int]]) -> bool:
     )
 
 
+def _feature_args(
+    window: Any, softcap: Any, alibi_slopes: Any, batch: int, heads_q: int, seqlen_q: int,
+    seqlen_k: int, device: Any,
+) -> dict[str, Any]:
+    """The family 90 forward's keyword arguments for ``window``, ``softcap`` and
+    ``alibi_slopes`` (checked; raises and says what is wrong). A window side that reaches past
+    every key (``left >= seqlen_k``, ``right >= seqlen_q``, the longest sequences when packed)
+    is passed as unlimited, so that any int fits the kernel's int32."""
+    import torch
+
+    kw: dict[str, Any] = {}
+    if window is not None:
+        if (not isinstance(window, (tuple, list)) or len(window) != 2
+                or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window)):
+            raise TypeError(f"window must be a pair of ints (left, right), got {window!r}")
+        left, right = int(window[0]), int(window[1])
+        if left < -1 or right < -1:
+            raise ValueError(f"window sides must be >= 0, or -1 for unlimited, got {(left, right)}")
+        kw["window_left"] = -1 if left >= seqlen_k else left
+        kw["window_right"] = -1 if right >= seqlen_q else right
+    if softcap:
+        cap = float(softcap)
+        if not (cap > 0 and math.isfinite(cap)):
+            raise ValueError(f"softcap must be finite and >= 0 (0 for off), got {softcap!r}")
+        kw["softcap"] = cap
+    if alibi_slopes is not None:
+        a = alibi_slopes
+        if not isinstance(a, torch.Tensor) or a.dtype != torch.float32:
+            raise TypeError(f"alibi_slopes must be a float32 tensor, got "
+                            f"{getattr(a, 'dtype', type(a).__name__)}")
+        if tuple(a.shape) not in ((heads_q,), (batch, heads_q)):
+            raise ValueError(f"alibi_slopes must have shape ({heads_q},) or ({batch}, {heads_q}), "
+                             f"got {tuple(a.shape)}")
+        if a.device != device:
+            raise ValueError(f"alibi_slopes is on {a.device}, the inputs on {device}")
+        if a.stride(-1) != 1:  # (the copy outlives the launch: the caller holds what we return)
+            a = a.contiguous()
+        kw["alibi_slopes"] = a
+        kw["alibi_batch_stride"] = a.stride(0) if a.dim() == 2 else 0
+    return kw
+
+
 def _device_index_for(device: DeviceInfo) -> int | None:
     idx = device.extra.get("index") if device.extra else None
     return int(idx) if idx is not None else None
 
 
+#: the features only the family 90 forward runs (its other kernels and every backward refuse
+#: them, with the reason; packed sequences run on the family 90 backward too)
+_HOPPER_FWD_FEATURES = ("window", "softcap", "alibi")
+#: what the features are called in the reasons
+_FEATURE_TEXT = {
+    "window": "sliding windows",
+    "softcap": "soft-capping",
+    "alibi": "ALiBi",
+    "varlen": "packed sequences (varlen)",
+}
+
+
 class SparkBackend(Backend):
     name = "spark"
     #: docs/FEATURES.md: "deterministic" (a backward problem's: the backward of family 90
-    #: adds dQ in a fixed order when asked; the other families' backward kernels are refused)
-    #: and "varlen" (packed sequences: the family 90 forward and backward only, the other
-    #: families' kernels are refused). Configurations listed in kernel_space.UNVERIFIED run
-    #: only when forced by name.
-    features = frozenset({"deterministic", "varlen"})
+    #: adds dQ in a fixed order when asked; the other families' backward kernels are refused),
+    #: "varlen" (packed sequences: the family 90 forward and backward only) and "window",
+    #: "softcap" and "alibi" (sliding windows, soft-capping and ALiBi: the family 90 forward
+    #: only, in any combination, packed or not; the backward of such a call runs on a backend
+    #: that has one, from this forward's output and log-sum-exp). Configurations listed in
+    #: kernel_space.UNVERIFIED run only when forced by name.
+    features = frozenset({"deterministic", "varlen", "window", "softcap", "alibi"})
 
     # The heuristic defaults (kernel_space.py says what each was measured on): per (family,
     # head_dim) the (block_m, block_n, warps_m, warps_n) of the forward and of the backward, and
@@ -164,6 +221,14 @@ class SparkBackend(Backend):
                 "packed sequences (varlen) run on the family 90 forward and backward only "
                 f"(fwd_sm90_*, bwd_sm90_*, sm_90); this is a family {k['family']} {k['op']} kernel"
             )
+        if problem.op != "fwd" or k["family"] != 90:
+            wanted = [f for f in _HOPPER_FWD_FEATURES if f in problem.features]
+            if wanted:
+                what = " and ".join(_FEATURE_TEXT[f] for f in wanted)
+                reasons.append(
+                    f"{what} run on the family 90 forward only (fwd_sm90_*, sm_90); this is a "
+                    f"family {k['family']} {k['op']} kernel"
+                )
         if device is not None:
             archs = k.get("archs") or (self.build_info() or {}).get("archs", [])
             if k["family"] == 90 and device.arch != 90:
@@ -274,13 +339,19 @@ class SparkBackend(Backend):
         cu_seqlens_k: torch.Tensor | None = None,
         max_seqlen_q: int | None = None,
         max_seqlen_k: int | None = None,
+        window: tuple[int, int] | None = None,
+        softcap: float = 0.0,
+        alibi_slopes: torch.Tensor | None = None,
         **features: object,
     ) -> torch.Tensor | None:
         """The forward into ``out``; returns the log-sum-exp. Packed sequences (``cu_seqlens_*``
-        given): q, k, v, out are (total, heads, head_dim), the log-sum-exp (heads_q, total_q),
-        family 90 kernels only. No other feature is run here (dispatch never sends one). A
-        persistent sm90 kernel (``_ps1``, not packed) also gets a zeroed tile counter while
-        :data:`SM90_DYNAMIC` is on."""
+        given): q, k, v, out are (total, heads, head_dim), the log-sum-exp (heads_q, total_q).
+        ``window=(left, right)`` (-1: unlimited; ``causal`` sets right = 0), ``softcap`` > 0
+        and ``alibi_slopes`` (float32 (Hq,) or (B, Hq), B the number of sequences when packed)
+        as docs/FEATURES.md defines them, in any combination with each other and with packed
+        sequences. Those four run on the family 90 forward only (``fwd_sm90_*``); dropout is
+        not run here (dispatch never sends it). A persistent sm90 kernel (``_ps1``, not packed)
+        also gets a zeroed tile counter while :data:`SM90_DYNAMIC` is on."""
         import torch
 
         mod, err = load_extension()
@@ -288,17 +359,26 @@ class SparkBackend(Backend):
             raise RuntimeError(err)
         if features:
             raise ValueError(
-                f"the spark backend runs packed sequences and plain attention only, not "
-                f"{sorted(features)} (docs/FEATURES.md)"
+                f"the spark backend runs sliding windows, softcap, ALiBi and packed sequences "
+                f"(the family 90 forward), not {sorted(features)} (docs/FEATURES.md)"
             )
         packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+        featured = window is not None or bool(softcap) or alibi_slopes is not None
+        if (packed or featured) and not config.startswith("fwd_sm90_"):
+            what = ", ".join(
+                name for name, on in (("packed sequences", packed), ("window", window is not None),
+                                      ("softcap", bool(softcap)), ("alibi_slopes", alibi_slopes is not None))
+                if on
+            )
+            raise ValueError(
+                f"{config}: {what}: the spark backend runs these on the family 90 forward only "
+                "(fwd_sm90_*)"
+            )
         if packed:
             from .._checks import check_packed_boundaries
 
             b, nq, nk = check_packed_boundaries(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                 max_seqlen_k)
-            if not config.startswith("fwd_sm90_"):
-                raise ValueError(f"{config}: packed sequences run on the family 90 forward only (fwd_sm90_*)")
             total_q, hq, d = q.shape
             total_k, hk = k.shape[0], k.shape[1]
             # (batch, head, row) strides; the batch stride is a stand-in the kernel never steps
@@ -341,6 +421,12 @@ class SparkBackend(Backend):
             float(scale), bool(causal), stream,
         )
         extra = {}
+        slopes = None
+        if featured:
+            extra.update(_feature_args(window, softcap, alibi_slopes, b, hq, nq, nk, device))
+            slopes = extra.pop("alibi_slopes", None)  # held until the launch is queued
+            if slopes is not None:
+                extra["alibi_slopes"] = slopes.data_ptr()
         if packed:
             args = (*args, cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), total_q, total_k)
         elif _counts_tiles(config):  # (packed launches keep the static rounds: no counter)

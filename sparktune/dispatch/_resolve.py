@@ -31,6 +31,7 @@ __all__ = [
     "DECODE_DEFAULT_ORDER",
     "DEFAULT_ORDER",
     "FEATURE_DEFAULT_ORDER",
+    "HOPPER_FEATURE_FWD_ORDER",
     "HOPPER_VARLEN_ORDER",
     "NEAREST_MAX_OCTAVES",
     "SOURCES",
@@ -70,6 +71,16 @@ _TRITON_FIRST_FEATURES = frozenset({"window", "softcap", "alibi", "dropout", "va
 #: on an H200 says by how much, BENCHMARKS.md)
 HOPPER_VARLEN_ORDER = ("spark", "triton", "torch", "reference")
 _HOPPER_VARLEN_FEATURES = frozenset({"varlen", "deterministic"})
+#: the forward of sliding windows, soft-capping or ALiBi (packed or not; no dropout) on a Hopper
+#: GPU: the family 90 forward runs them (a window's key blocks skipped, softcap and ALiBi on the
+#: scores in registers), then the order above; dropout keeps FEATURE_DEFAULT_ORDER, and so does
+#: every backward (the family 90 backward has none of these features)
+HOPPER_FEATURE_FWD_ORDER = ("spark", "triton", "torch", "reference")
+#: the features of a forward problem that the family 90 forward runs (any combination)
+_HOPPER_FWD_FEATURES = frozenset({"window", "softcap", "alibi", "varlen", "deterministic"})
+#: those that make the Hopper order HOPPER_FEATURE_FWD_ORDER (without them: packed sequences
+#: alone, HOPPER_VARLEN_ORDER)
+_HOPPER_SCORE_FEATURES = frozenset({"window", "softcap", "alibi"})
 #: the first architecture where SDPA's own choice is the default
 SDPA_DEFAULT_MIN_ARCH = 80
 #: a record serves shapes whose seqlen_q and seqlen_k are each within this many octaves
@@ -210,6 +221,11 @@ def heuristic_default(
                 "packed sequences on sm_90: the Hopper kernels first (forward and backward), then "
                 "the Triton family: no record reaches this shape"
             )
+        elif kind == "hopper-features":
+            why = (
+                "windows, soft-capping or ALiBi on sm_90: the Hopper forward first, then the "
+                "Triton family: no record reaches this shape"
+            )
         elif kind == "features":
             why = "with attention features the Triton family comes first: no record reaches this shape"
         else:
@@ -225,13 +241,17 @@ def _default_kind(device: DeviceInfo | None, problem: Problem | None) -> str:
     if device is not None and device.arch < SDPA_DEFAULT_MIN_ARCH:
         return "volta"
     if device is not None and problem is not None and problem.features & _TRITON_FIRST_FEATURES:
-        if (
-            device.arch == 90
-            and problem.op in ("fwd", "bwd")
-            and "varlen" in problem.features
-            and problem.features <= _HOPPER_VARLEN_FEATURES
-        ):
-            return "hopper-varlen"
+        if device.arch == 90:
+            feats = problem.features
+            if feats & _HOPPER_SCORE_FEATURES:
+                if problem.op == "fwd" and feats <= _HOPPER_FWD_FEATURES:
+                    return "hopper-features"
+            elif (
+                problem.op in ("fwd", "bwd")
+                and "varlen" in feats
+                and feats <= _HOPPER_VARLEN_FEATURES
+            ):
+                return "hopper-varlen"
         return "features"
     return "plain"
 
@@ -240,7 +260,8 @@ def _default_kind(device: DeviceInfo | None, problem: Problem | None) -> str:
 _ORDERS = {
     "cpu-decode": "CPU_DECODE_DEFAULT_ORDER", "decode": "DECODE_DEFAULT_ORDER",
     "volta": "VOLTA_DEFAULT_ORDER", "hopper-varlen": "HOPPER_VARLEN_ORDER",
-    "features": "FEATURE_DEFAULT_ORDER", "plain": "DEFAULT_ORDER",
+    "hopper-features": "HOPPER_FEATURE_FWD_ORDER", "features": "FEATURE_DEFAULT_ORDER",
+    "plain": "DEFAULT_ORDER",
 }  # fmt: skip
 
 

@@ -30,6 +30,24 @@ struct FwdParams {
   float scale_log2 = 1.f;  // scale * log2(e): the kernels work in base 2
   bool causal = false;     // bottom-right aligned: row i sees col j iff j <= i + seqlen_k - seqlen_q
 
+  // Attention features (docs/FEATURES.md; the family 90 forward only, the other kernels never
+  // read them and `fwd` refuses them for those). With diag = seqlen_k - seqlen_q (per sequence
+  // when packed), row i sees col j iff i + diag - window_left <= j <= i + diag + window_right,
+  // -1 meaning unlimited on that side; causal is window_right = 0 whatever window_right says.
+  int window_left = -1;
+  int window_right = -1;
+  // softcap > 0: the scaled score s becomes softcap * tanh(s / softcap); the kernel computes
+  // tanh(q.k * softcap_in) with softcap_in = scale / softcap and takes softcap_log2 =
+  // softcap * log2(e) as the exponent's multiplier (both set with softcap)
+  float softcap = 0.f;
+  float softcap_in = 0.f;
+  float softcap_log2 = 0.f;
+  // ALiBi (after the softcap): s -= slope * |i + diag - j| with the fp32 slope
+  // alibi_slopes[b * alibi_batch_stride + h] of sequence b and query head h (batch stride 0:
+  // one slope per head); null: off
+  const float* alibi_slopes = nullptr;
+  int64_t alibi_batch_stride = 0;
+
   // Packed sequences (the family 90 forward and backward only; null elsewhere): sequence b is
   // rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q, o (and dout, dq) and cu_seqlens_k[b] .. of
   // k, v (and dk, dv), each a (total, heads, head_dim) tensor (batch strides unused); batch is

@@ -12,6 +12,12 @@
 // Persistent (kPersistent): one block per SM runs tile after tile; only the producer thread
 // walks the block's tiles (static rounds, or the next tile from a global counter) and tells the
 // consumers each one through the Q slot it loads (see "tile messages" below).
+//
+// Attention features (runtime, docs/FEATURES.md): a sliding window limits the key blocks a row
+// block visits to those that meet its band (key_range: the producer loads and the consumers
+// walk the same range) and the element mask to the blocks at the band's edges and the key
+// tail; soft-capping and ALiBi change the scores in registers before the mask (modify_s).
+// The plain path (no window, softcap or ALiBi) visits and masks the blocks it always did.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -80,6 +86,14 @@ CUTE_DEVICE void convert_into(Src const& src, Dst& dst) {
   cutlass::NumericArrayConverter<To, From, N> convert;
   *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
       convert(*reinterpret_cast<cutlass::Array<From, N> const*>(src.data()));
+}
+
+// tanh on the special-function unit (tanh.approx.f32: one instruction, relative error about
+// 2^-11), for the soft-capped scores
+CUTE_DEVICE float tanh_approx(const float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // Bytes from a shared-memory pointer to the next multiple of kAlign of its shared address.
@@ -154,6 +168,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // runs the tile of its place in launch order (x fastest) in that order, or of its grid
   // coordinates (row blocks reversed) when p.tile_section is 0; with it, block b of the 1-D
   // grid takes tile numbers of the sectioned order, its first one b (next_tile, below).
+  // Windows (FwdParams::window_*) keep these orders: the last row blocks carry at least the
+  // work of the first under a causal band or one limited on the right (heaviest first still),
+  // nearly the same under a two-sided band; a band limited on the left only gives the first
+  // row blocks the most work, which these orders start last (the same results, a less even
+  // spread).
   const int num_m_blocks = ceil_div(p.seqlen_q, kBlockM);
   const int num_tiles = Traits::kPersistent ? num_m_blocks * p.heads_q * p.batch : 1;
   // Persistent, static (p.tile_counter null): the tiles of the sectioned order go out in rounds
@@ -218,16 +237,28 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
 
-  // Key blocks a row block sees, visited last to first so that the masked ones (the key tail
-  // and the causal diagonal) come first. Producer and consumers walk the same sequence.
-  auto key_blocks = [&](const int row0) {
-    if (row0 >= seqlen_q) return 0;  // a packed sequence shorter than the grid's rows
-    int n = ceil_div(seqlen_k, kBlockN);
-    if (p.causal) {
-      const int last_col = min(seqlen_k - 1, row0 + kBlockM - 1 + diag);
-      n = last_col < 0 ? 0 : min(n, last_col / kBlockN + 1);
-    }
-    return n;
+  // The band of the tile's sequence (docs/FEATURES.md): row i sees the keys j of [0, seqlen_k)
+  // with i + diag - left <= j <= i + diag + right. Causal is right = 0. A side that is unlimited
+  // (-1) or reaches past every key of the sequence is the width that just reaches them all
+  // (left = seqlen_k, right = seqlen_q), so that the bounds below stay small integers.
+  auto band_left = [&]() {
+    return p.window_left >= 0 && p.window_left < seqlen_k ? p.window_left : seqlen_k;
+  };
+  auto band_right = [&]() {
+    return p.causal ? 0 : p.window_right >= 0 && p.window_right < seqlen_q ? p.window_right : seqlen_q;
+  };
+  // Key blocks [first, end) a row block sees (those that meet the band of one of its rows),
+  // visited last to first, so that the blocks masked at the band's right edge and the key tail
+  // come first and those masked at its left edge last. Producer and consumers walk the same
+  // sequence; an empty range (first == end) when no row of the block sees a key.
+  struct KeyRange {
+    int first, end;
+  };
+  auto key_range = [&](const int row0) {
+    if (row0 >= seqlen_q) return KeyRange{0, 0};  // a packed sequence shorter than the grid's rows
+    const int lo = max(0, row0 + diag - band_left());  // the first row's first key
+    const int hi = min(seqlen_k - 1, row0 + kBlockM - 1 + diag + band_right());  // the last row's last
+    return hi < lo ? KeyRange{0, 0} : KeyRange{lo / kBlockN, hi / kBlockN + 1};
   };
 
   constexpr int kQSlots = Traits::kQSlots;
@@ -272,7 +303,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // The producer thread waits until the consumers have released the slot, stores the tile
   // number in the slot's word, then arrives on the slot's full barrier: with Q's transaction
   // bytes for a tile with key blocks, without bytes for a tile whose rows see no key (causal,
-  // seqlen_q > seqlen_k: the consumers write zeros) and for the end (tile number num_tiles).
+  // seqlen_q > seqlen_k, or a window: the consumers write zeros) and for the end (tile number
+  // num_tiles).
   // The arrive releases the store and a completed wait on that phase acquires it, so lane 0 of
   // each consumer warp reads the number after its wait (and shuffles it to its warp); that
   // lane releases the slot once its warp is done with the tile (after the O staging), before
@@ -329,12 +361,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         const Tile tile = tile_at(t);
         enter(tile.batch);
         const int row0 = tile.m_block * kBlockM;
-        const int n_blocks = key_blocks(row0);
+        const KeyRange keys = key_range(row0);
         const int q_slot_now = q_round % kQSlots;
         const int q_parity = (q_round / kQSlots) & 1;
-        if (n_blocks == 0) {
-          // rows that see no key: the message alone (no load; the consumers write zeros and
-          // lse -inf); packed rows past their sequence's end: nothing to write, no message
+        if (keys.first == keys.end) {
+          // rows that see no key (causal with seqlen_q > seqlen_k, or outside a window): the
+          // message alone (no load; the consumers write zeros and lse -inf); packed rows past
+          // their sequence's end: nothing to write, no message
           if (Traits::kPersistent && row0 < seqlen_q) {
             q_empty[q_slot_now].wait(q_parity ^ 1);
             send_tile(q_slot_now, t);
@@ -361,7 +394,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // the first K block goes out before Q waits for its slot (persistent: released by the
         // epilogue of the tile before the previous one), so that both loads overlap the end of
         // the previous tile
-        const int n_last = n_blocks - 1;
+        const int n_last = keys.end - 1;
         k_empty[stage].wait(phase ^ 1);
         k_full[stage].arrive_and_expect_tx(Traits::kTmaBytesKV);
         cute::copy(args.tma_k.with(reinterpret_cast<uint64_t&>(k_full[stage])), tKgK(_, n_last),
@@ -371,7 +404,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         q_full[q_slot_now].arrive_and_expect_tx(Traits::kTmaBytesQ);
         cute::copy(args.tma_q.with(reinterpret_cast<uint64_t&>(q_full[q_slot_now])), tQgQ, tQsQ);
         ++q_round;
-        for (int n = n_last; n >= 0; --n) {
+        for (int n = n_last; n >= keys.first; --n) {
           if (n != n_last) {
             k_empty[stage].wait(phase ^ 1);
             k_full[stage].arrive_and_expect_tx(Traits::kTmaBytesKV);
@@ -418,7 +451,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kRows = decltype(size<0>(sm90::rowcol_view(typename AccS::layout_type{})))::value;
   float row_max[kRows];
   float row_sum[kRows];
-  const float scale_log2 = p.scale_log2;
+  // the exponent's multiplier of a score (base 2): scale log2 e, or softcap log2 e for the
+  // soft-capped scores (modify_s below)
+  const float scale_log2 = p.softcap > 0.f ? p.softcap_log2 : p.scale_log2;
   int stage = 0, phase = 0, q_round = 0;
 
   // one tile, or (persistent) the tiles of the producer's messages until the end message
@@ -438,7 +473,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int head = tile.head;
     const int batch = tile.batch;
     const int row0 = tile.m_block * kBlockM;
-    const int n_blocks = key_blocks(row0);
+    const KeyRange keys = key_range(row0);
+    const int n_blocks = keys.end - keys.first;
     clear(acc_o);
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
@@ -452,6 +488,71 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     auto wait_q = [&]() {
       if constexpr (!Traits::kPersistent) q_full[q_slot_now].wait((q_round / kQSlots) & 1);
     };
+
+    // The element mask: row `row` sees the columns [row + diag - left, row + diag + right] of
+    // [0, seqlen_k). Only the blocks that a row's band does not cover whole take it: from
+    // mask_hi up (the key tail, or a column past the first row's band) and below mask_lo (a
+    // column before the band of the last row stored); the blocks between are seen whole.
+    const int left = band_left();
+    const int right = band_right();
+    const int right_end = row0 + diag + right + 1;                   // past the first row's band
+    const int left_start = min(row0 + kBlockM, seqlen_q) - 1 + diag - left;  // the last row's
+    const int mask_hi = min(seqlen_k / kBlockN, right_end > 0 ? right_end / kBlockN : 0);
+    const int mask_lo = left_start > 0 ? ceil_div(left_start, kBlockN) : 0;
+    auto needs_mask = [&](const int n) { return n >= mask_hi || n < mask_lo; };
+    auto mask_s = [&](auto& acc_s, const int n) {
+      Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
+      // each row's visible columns [lo, end) relative to the thread's first column, so that
+      // every element compares its own offset from that column (a constant) with them (an
+      // element's own column index in a register each would cost registers the overlapped
+      // three-warpgroup kernels do not have)
+      const int col_base = get<1>(c_rc(0, 0));
+      const int col0 = n * kBlockN + col_base;
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(s_rc); ++r) {
+        const int row = row0 + get<0>(c_rc(r, 0));
+        const int lo = row + diag - left - col0;
+        const int end = min(seqlen_k, row + diag + right + 1) - col0;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s_rc); ++c) {
+          const int k = get<1>(c_rc(r, c)) - col_base;
+          if (k < lo || k >= end) s_rc(r, c) = kNegInf;
+        }
+      }
+    };
+    // Soft-capping and ALiBi (docs/FEATURES.md: in that order, before the mask) on the whole
+    // block, in the scores' units: the exponent is score * scale_log2 - max, where a score is
+    // q.k (scale_log2 = scale log2 e) or, soft-capped, tanh(q.k scale / softcap)
+    // (scale_log2 = softcap log2 e); ALiBi's slope is divided by scale, or by softcap, to match.
+    const bool softcap_on = p.softcap > 0.f;
+    const bool alibi_on = p.alibi_slopes != nullptr;
+    const float alibi_coef =
+        alibi_on ? p.alibi_slopes[int64_t(batch) * p.alibi_batch_stride + head] /
+                       (softcap_on ? p.softcap : p.scale)
+                 : 0.f;
+    auto modify_s = [&](auto& acc_s, const int n) {
+      Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
+      if (softcap_on) {
+        const float cap_in = p.softcap_in;
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_s); ++i) acc_s(i) = sm90::tanh_approx(acc_s(i) * cap_in);
+      }
+      if (alibi_on) {
+        // |row + diag - col| as a float: the thread's distance at its first column, less each
+        // element's column offset from it (a constant); exact below 2^24
+        const int col_base = get<1>(c_rc(0, 0));
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(s_rc); ++r) {
+          const float dist0 = float(row0 + get<0>(c_rc(r, 0)) + diag - n * kBlockN - col_base);
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(s_rc); ++c) {
+            const float dc = float(get<1>(c_rc(r, c)) - col_base);
+            s_rc(r, c) = fmaf(-alibi_coef, fabsf(dist0 - dc), s_rc(r, c));
+          }
+        }
+      }
+    };
+
     auto step = [&](const int n, auto mask_tag) {
       constexpr bool kMask = decltype(mask_tag)::value;
       // S = Q K^T
@@ -462,18 +563,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (lane == 0) k_empty[stage].arrive();
 
       Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
-      if constexpr (kMask) {  // the key tail and, when causal, what lies above the diagonal
-        const int col0 = n * kBlockN;
-        CUTE_UNROLL
-        for (int r = 0; r < size<0>(s_rc); ++r) {
-          const int row = row0 + get<0>(c_rc(r, 0));
-          CUTE_UNROLL
-          for (int c = 0; c < size<1>(s_rc); ++c) {
-            const int col = col0 + get<1>(c_rc(r, c));
-            if (col >= seqlen_k || (p.causal && col > row + diag)) s_rc(r, c) = kNegInf;
-          }
-        }
-      }
+      if (softcap_on || alibi_on) modify_s(acc_s, n);
+      if constexpr (kMask) mask_s(acc_s, n);  // the band's edges and the key tail
 
       // online softmax, base 2; a row is spread over the four lanes of a quad
       Tensor o_rc = make_tensor(acc_o.data(), sm90::rowcol_view(acc_o.layout()));
@@ -511,14 +602,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     };
 
-    auto needs_mask = [&](int n) {
-      return (n + 1) * kBlockN > seqlen_k || (p.causal && (n + 1) * kBlockN - 1 > row0 + diag);
-    };
+    // The key blocks from the last to the first: the masked ones at the top, the whole ones,
+    // then those masked at the band's left edge (the inner loops' two call sites serve all
+    // three runs; the last run ends the walk)
     if constexpr (!Traits::kOverlap) {
       if (n_blocks > 0) wait_q();
-      int n = n_blocks - 1;
-      for (; n >= 0 && needs_mask(n); --n) step(n, cute::true_type{});
-      for (; n >= 0; --n) step(n, cute::false_type{});
+      int n = keys.end - 1;
+      for (;;) {
+        for (; n >= keys.first && needs_mask(n); --n) step(n, cute::true_type{});
+        if (n < keys.first) break;
+        for (; n >= mask_lo; --n) step(n, cute::false_type{});
+      }
     } else if (n_blocks > 0) {
       // ---- the overlapped order (ov1): S_j's softmax runs under P_{j-1} V_{j-1} ----
       // A GEMM burst: S_j and P_{j-1} V_{j-1} issued back to back. With ping-pong (pp1) the two
@@ -539,19 +633,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (cwg == 1) cutlass::arch::NamedBarrier::arrive(256, kSchedBarrier + 0);
       }
 
-      auto mask_s = [&](auto& acc_s, const int n) {  // the key tail and the causal diagonal
-        Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
-        const int col0 = n * kBlockN;
-        CUTE_UNROLL
-        for (int r = 0; r < size<0>(s_rc); ++r) {
-          const int row = row0 + get<0>(c_rc(r, 0));
-          CUTE_UNROLL
-          for (int c = 0; c < size<1>(s_rc); ++c) {
-            const int col = col0 + get<1>(c_rc(r, c));
-            if (col >= seqlen_k || (p.causal && col > row + diag)) s_rc(r, c) = kNegInf;
-          }
-        }
-      };
       // online softmax of S (base 2, a row over the four lanes of a quad): S becomes the
       // unnormalised probabilities, the row statistics move on, alpha[r] is what O's row r is
       // to be multiplied by once the pending P V product has landed in it
@@ -599,7 +680,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       };
 
       wait_q();
-      int n = n_blocks - 1;
+      int n = keys.end - 1;
       {  // the first block: S only (O is still zero, nothing to rescale)
         Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
         k_full[stage].wait(phase);
@@ -609,6 +690,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_s);
         if (lane == 0) k_empty[stage].arrive();
+        if (softcap_on || alibi_on) modify_s(acc_s, n);
         if (needs_mask(n)) mask_s(acc_s, n);
         softmax_s(acc_s);
         sm90::convert_into(acc_s, rP);
@@ -626,6 +708,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         warpgroup_wait<1>();  // S_j is done, P_{j-1} V_{j-1} may still run
         warpgroup_fence_operand(acc_s);
         if (lane == 0) k_empty[stage].arrive();
+        if (softcap_on || alibi_on) modify_s(acc_s, n);
         if constexpr (kMask) mask_s(acc_s, n);
         softmax_s(acc_s);
         warpgroup_wait<0>();  // O and P_{j-1} are free again
@@ -636,8 +719,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         sm90::convert_into(acc_s, rP);
         advance();
       };
-      for (--n; n >= 0 && needs_mask(n); --n) step_ov(n, cute::true_type{});
-      for (; n >= 0; --n) step_ov(n, cute::false_type{});
+      for (--n;;) {
+        for (; n >= keys.first && needs_mask(n); --n) step_ov(n, cute::true_type{});
+        if (n < keys.first) break;
+        for (; n >= mask_lo; --n) step_ov(n, cute::false_type{});
+      }
       // the last block's P V
       v_full[pstage].wait(pphase);
       burst_begin();
