@@ -32,10 +32,48 @@ constexpr int kRowKernelThreads = 128;
 constexpr int kRowLanes = 8;
 constexpr int kRowKernelRows = kRowKernelThreads / kRowLanes;
 
+// One lane's share of a query row, for both layouts' kernels below: the partial rowsum(dO * O)
+// over its columns (returned), and its columns of the row's fp32 dQ workspace zeroed.
+template <class T>
+CUTE_DEVICE float preprocess_row(T const* o, T const* dout, float* acc, int head_dim, int lane) {
+  constexpr int kVec = 16 / sizeof(T);
+  float sum = 0.f;
+  for (int c = lane * kVec; c < head_dim; c += kVec * kRowLanes) {
+    const uint4 o_raw = *reinterpret_cast<uint4 const*>(o + c);
+    const uint4 do_raw = *reinterpret_cast<uint4 const*>(dout + c);
+    T const* o_v = reinterpret_cast<T const*>(&o_raw);
+    T const* do_v = reinterpret_cast<T const*>(&do_raw);
+    CUTE_UNROLL
+    for (int i = 0; i < kVec; ++i) sum = fmaf(float(o_v[i]), float(do_v[i]), sum);
+  }
+  for (int c = lane * 4; c < head_dim; c += 4 * kRowLanes) {
+    *reinterpret_cast<float4*>(acc + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  return sum;
+}
+
+// One lane's columns of a query row of dQ: scale * workspace, in the input type.
+template <class T>
+CUTE_DEVICE void convert_dq_row(float const* acc, T* dq, int head_dim, float scale, int lane) {
+  constexpr int kVec = 16 / sizeof(T);
+  for (int c = lane * kVec; c < head_dim; c += kVec * kRowLanes) {
+    uint4 raw;
+    T* out = reinterpret_cast<T*>(&raw);
+    CUTE_UNROLL
+    for (int i = 0; i < kVec; i += 4) {
+      const float4 a = *reinterpret_cast<float4 const*>(acc + c + i);
+      out[i + 0] = static_cast<T>(a.x * scale);
+      out[i + 1] = static_cast<T>(a.y * scale);
+      out[i + 2] = static_cast<T>(a.z * scale);
+      out[i + 3] = static_cast<T>(a.w * scale);
+    }
+    *reinterpret_cast<uint4*>(dq + c) = raw;
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(kRowKernelThreads)
     bwd_preprocess_kernel(__grid_constant__ const BwdParams p) {
-  constexpr int kVec = 16 / sizeof(T);
   const int row = blockIdx.x * kRowKernelRows + threadIdx.x / kRowLanes;
   const int lane = threadIdx.x % kRowLanes;
   const int head = blockIdx.y;
@@ -48,18 +86,7 @@ __global__ void __launch_bounds__(kRowKernelThreads)
                  row * p.o_row_stride;
     T const* dout = static_cast<T const*>(p.dout) + batch * p.do_batch_stride +
                     head * p.do_head_stride + row * p.do_row_stride;
-    for (int c = lane * kVec; c < p.head_dim; c += kVec * kRowLanes) {
-      const uint4 o_raw = *reinterpret_cast<uint4 const*>(o + c);
-      const uint4 do_raw = *reinterpret_cast<uint4 const*>(dout + c);
-      T const* o_v = reinterpret_cast<T const*>(&o_raw);
-      T const* do_v = reinterpret_cast<T const*>(&do_raw);
-      CUTE_UNROLL
-      for (int i = 0; i < kVec; ++i) sum = fmaf(float(o_v[i]), float(do_v[i]), sum);
-    }
-    float* acc = p.dq_accum + stat_row * p.head_dim;
-    for (int c = lane * 4; c < p.head_dim; c += 4 * kRowLanes) {
-      *reinterpret_cast<float4*>(acc + c) = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
+    sum = preprocess_row(o, dout, p.dq_accum + stat_row * p.head_dim, p.head_dim, lane);
   }
   sum = allreduce_xor<kRowLanes / 2>(sum, SumOp{});
   if (live && lane == 0) p.dsum[stat_row] = sum;
@@ -68,7 +95,6 @@ __global__ void __launch_bounds__(kRowKernelThreads)
 template <class T>
 __global__ void __launch_bounds__(kRowKernelThreads)
     bwd_convert_dq_kernel(__grid_constant__ const BwdParams p) {
-  constexpr int kVec = 16 / sizeof(T);
   const int row = blockIdx.x * kRowKernelRows + threadIdx.x / kRowLanes;
   const int lane = threadIdx.x % kRowLanes;
   const int head = blockIdx.y;
@@ -78,19 +104,7 @@ __global__ void __launch_bounds__(kRowKernelThreads)
       p.dq_accum + ((int64_t(batch) * p.heads_q + head) * p.seqlen_q + row) * p.head_dim;
   T* dq = static_cast<T*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
           row * p.dq_row_stride;
-  for (int c = lane * kVec; c < p.head_dim; c += kVec * kRowLanes) {
-    uint4 raw;
-    T* out = reinterpret_cast<T*>(&raw);
-    CUTE_UNROLL
-    for (int i = 0; i < kVec; i += 4) {
-      const float4 a = *reinterpret_cast<float4 const*>(acc + c + i);
-      out[i + 0] = static_cast<T>(a.x * p.scale);
-      out[i + 1] = static_cast<T>(a.y * p.scale);
-      out[i + 2] = static_cast<T>(a.z * p.scale);
-      out[i + 3] = static_cast<T>(a.w * p.scale);
-    }
-    *reinterpret_cast<uint4*>(dq + c) = raw;
-  }
+  convert_dq_row(acc, dq, p.head_dim, p.scale, lane);
 }
 
 // The same two row kernels for packed sequences (the family 90 backward's; BwdParams says
@@ -100,7 +114,6 @@ __global__ void __launch_bounds__(kRowKernelThreads)
 template <class T>
 __global__ void __launch_bounds__(kRowKernelThreads)
     bwd_preprocess_packed_kernel(__grid_constant__ const BwdParams p) {
-  constexpr int kVec = 16 / sizeof(T);
   const int row = blockIdx.x * kRowKernelRows + threadIdx.x / kRowLanes;
   const int lane = threadIdx.x % kRowLanes;
   const int head = blockIdx.y;
@@ -110,18 +123,8 @@ __global__ void __launch_bounds__(kRowKernelThreads)
     T const* o = static_cast<T const*>(p.o) + int64_t(row) * p.o_row_stride + head * p.o_head_stride;
     T const* dout =
         static_cast<T const*>(p.dout) + int64_t(row) * p.do_row_stride + head * p.do_head_stride;
-    for (int c = lane * kVec; c < p.head_dim; c += kVec * kRowLanes) {
-      const uint4 o_raw = *reinterpret_cast<uint4 const*>(o + c);
-      const uint4 do_raw = *reinterpret_cast<uint4 const*>(dout + c);
-      T const* o_v = reinterpret_cast<T const*>(&o_raw);
-      T const* do_v = reinterpret_cast<T const*>(&do_raw);
-      CUTE_UNROLL
-      for (int i = 0; i < kVec; ++i) sum = fmaf(float(o_v[i]), float(do_v[i]), sum);
-    }
     float* acc = p.dq_accum + (int64_t(row) * p.heads_q + head) * p.head_dim;
-    for (int c = lane * 4; c < p.head_dim; c += 4 * kRowLanes) {
-      *reinterpret_cast<float4*>(acc + c) = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
+    sum = preprocess_row(o, dout, acc, p.head_dim, lane);
   }
   sum = allreduce_xor<kRowLanes / 2>(sum, SumOp{});
   if (live && lane == 0) p.dsum[int64_t(head) * p.total_q + row] = sum;
@@ -130,26 +133,13 @@ __global__ void __launch_bounds__(kRowKernelThreads)
 template <class T>
 __global__ void __launch_bounds__(kRowKernelThreads)
     bwd_convert_dq_packed_kernel(__grid_constant__ const BwdParams p) {
-  constexpr int kVec = 16 / sizeof(T);
   const int row = blockIdx.x * kRowKernelRows + threadIdx.x / kRowLanes;
   const int lane = threadIdx.x % kRowLanes;
   const int head = blockIdx.y;
   if (row >= p.total_q) return;
   float const* acc = p.dq_accum + (int64_t(row) * p.heads_q + head) * p.head_dim;
   T* dq = static_cast<T*>(p.dq) + int64_t(row) * p.dq_row_stride + head * p.dq_head_stride;
-  for (int c = lane * kVec; c < p.head_dim; c += kVec * kRowLanes) {
-    uint4 raw;
-    T* out = reinterpret_cast<T*>(&raw);
-    CUTE_UNROLL
-    for (int i = 0; i < kVec; i += 4) {
-      const float4 a = *reinterpret_cast<float4 const*>(acc + c + i);
-      out[i + 0] = static_cast<T>(a.x * p.scale);
-      out[i + 1] = static_cast<T>(a.y * p.scale);
-      out[i + 2] = static_cast<T>(a.z * p.scale);
-      out[i + 3] = static_cast<T>(a.w * p.scale);
-    }
-    *reinterpret_cast<uint4*>(dq + c) = raw;
-  }
+  convert_dq_row(acc, dq, p.head_dim, p.scale, lane);
 }
 
 // dq[r][c] += acc for the fragment's elements of rows below rows_left. Where two neighbouring
