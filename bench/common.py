@@ -62,3 +62,26 @@ def seconds_per_call(fn: Callable[[], object], calls: int = 5) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / calls / 1e3
+
+
+def time_alternating(fns: dict[str, Callable[[], object]], rounds: int, reps: int) -> dict[str, float]:
+    """Median milliseconds per call of each fn, measured in alternating rounds of ``reps``
+    calls between two CUDA events (every fn called once first)."""
+    import statistics
+
+    import torch
+
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end) / reps)
+    return {name: statistics.median(ts) for name, ts in times.items()}

@@ -22,35 +22,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 
 import torch
+from common import time_alternating
 
-
-def _visible_pairs(n: int, left: int) -> int:
-    """Visible (query, key) pairs of causal attention over n tokens with a left window."""
-    if left < 0 or left >= n - 1:
-        return n * (n + 1) // 2
-    return sum(min(i, left) + 1 for i in range(n))
-
-
-def _time_alternating(fns: dict, rounds: int, reps: int) -> dict[str, float]:
-    """Median milliseconds per call of each fn, measured in alternating rounds."""
-    times = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    torch.cuda.synchronize()
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end) / reps)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+from sparktune.problem import _visible_pairs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     for key in chosen:
         name, kw = variants[key]
         left = kw.get("window", (-1, -1))[0]
-        flops_fwd = 4.0 * b * h * d * _visible_pairs(n, left)
+        flops_fwd = 4.0 * b * h * d * _visible_pairs(n, n, True, left, -1)
         flops_all = 3.5 * flops_fwd
-        flops_plain_fwd = 4.0 * b * h * d * _visible_pairs(n, -1)
+        flops_plain_fwd = 4.0 * b * h * d * _visible_pairs(n, n, True, -1, -1)
         flops_plain_all = 3.5 * flops_plain_fwd
         feat = {x: y for x, y in kw.items() if x != "causal"}
         sel_f = explain(q, k=k, causal=True, **feat).selection
@@ -206,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                 ok[fname] = fn
             except Exception as exc:  # noqa: BLE001 - reported, left out of the timing
                 print(f"  {name}: {fname} failed: {type(exc).__name__}: {str(exc)[:300]}")
-        ms = _time_alternating(ok, args.rounds, args.reps)
+        ms = time_alternating(ok, args.rounds, args.reps)
         plain_flops = {"plain_fwd": flops_plain_fwd, "plain_all": flops_plain_all,
                        "cudnn_fwd": flops_plain_fwd, "cudnn_all": flops_plain_all}
         tf = {x: (plain_flops.get(x) or (flops_fwd if x.endswith("fwd") else flops_all))

@@ -263,71 +263,56 @@ def worker_check(name: str, max_shapes: int, packed: bool = True) -> int:
             cases[key] = (args, extra, refs, bases)
         return cases[key]
 
+    def check(mode, label, made):
+        """One line of the check: the backward of ``made()`` = (args of _run_bwd, its packed
+        arguments or None, refs, bases) against the references, run twice (default mode) or
+        DET_RUNS times and bit-identical (deterministic); True when it passed."""
+        why: list[str] = []
+        detail: list[str] = []
+        errs = [float("nan")] * 3
+        bases = [float("nan")] * 3
+        try:
+            args, extra, refs, bases = made()
+            if mode == "default":
+                errs = _judge(_run_bwd(*args, False, extra), refs, bases, mode, why, detail)
+                _judge(_run_bwd(*args, False, extra), refs, bases, "default repeat", why, detail)
+            else:
+                det = [_run_bwd(*args, True, extra) for _ in range(DET_RUNS)]
+                errs = _judge(det[0], refs, bases, mode, why, detail)
+                for i in range(1, DET_RUNS):
+                    if not all(torch.equal(a, c) for a, c in zip(det[0], det[i], strict=True)):
+                        why.append(f"deterministic run {i + 1} not bit-identical to run 1")
+                        break
+        except Exception as exc:  # one check fails, the rest run
+            why.append(f"{type(exc).__name__}: {exc}")
+        ok = not why
+        errs_s = " ".join(f"{n}={e:.2e}({bs:.2e})"
+                          for n, e, bs in zip(("dq", "dk", "dv"), errs, bases, strict=True))
+        print(f"{'PASS' if ok else 'FAIL'} {label:<84} {errs_s}"
+              + ("" if ok else "  " + "; ".join(why)), flush=True)
+        for line in detail:
+            print(f"     {line}", flush=True)
+        return ok
+
+    def dense(shape, causal):
+        args, refs, bases = case(shape, causal)
+        return args, None, refs, bases
+
     for mode in ("default", "deterministic"):
         for shape in SHAPES[:max_shapes]:
             b, hq, hk, nq, nk, layout = shape
             for causal in (False, True):
                 label = (f"{mode[:3]} {name} b{b} h{hq}/{hk} q{nq} k{nk} {layout} "
                          f"{'causal' if causal else 'full'}")
-                why: list[str] = []
-                detail: list[str] = []
-                errs = [float("nan")] * 3
-                bases = [float("nan")] * 3
-                try:
-                    args, refs, bases = case(shape, causal)
-                    if mode == "default":
-                        errs = _judge(_run_bwd(*args, False), refs, bases, mode, why, detail)
-                        _judge(_run_bwd(*args, False), refs, bases, "default repeat", why, detail)
-                    else:
-                        det = [_run_bwd(*args, True) for _ in range(DET_RUNS)]
-                        errs = _judge(det[0], refs, bases, mode, why, detail)
-                        for i in range(1, DET_RUNS):
-                            if not all(torch.equal(a, c) for a, c in zip(det[0], det[i], strict=True)):
-                                why.append(f"deterministic run {i + 1} not bit-identical to run 1")
-                                break
-                except Exception as exc:  # one check fails, the rest run
-                    why.append(f"{type(exc).__name__}: {exc}")
-                ok = not why
-                failed += not ok
-                errs_s = " ".join(f"{n}={e:.2e}({bs:.2e})"
-                                  for n, e, bs in zip(("dq", "dk", "dv"), errs, bases, strict=True))
-                print(f"{'PASS' if ok else 'FAIL'} {label:<84} {errs_s}"
-                      + ("" if ok else "  " + "; ".join(why)), flush=True)
-                for line in detail:
-                    print(f"     {line}", flush=True)
+                failed += not check(mode, label, lambda shape=shape, causal=causal: dense(shape, causal))
     for mode in ("default", "deterministic") if packed else ():
-        for case in PACKED:
-            lq, lk, hq, hk = case
+        for case_ in PACKED:
+            lq, lk, hq, hk = case_
             for causal in (False, True):
                 label = (f"pk {mode[:3]} {name} h{hq}/{hk} q{lq} k{lk} "
                          f"{'causal' if causal else 'full'}")
-                why = []
-                detail = []
-                errs = [float("nan")] * 3
-                bases = [float("nan")] * 3
-                try:
-                    args, extra, refs, bases = packed_case(case, causal)
-                    if mode == "default":
-                        errs = _judge(_run_bwd(*args, False, extra), refs, bases, mode, why, detail)
-                        _judge(_run_bwd(*args, False, extra), refs, bases, "default repeat", why,
-                               detail)
-                    else:
-                        det = [_run_bwd(*args, True, extra) for _ in range(DET_RUNS)]
-                        errs = _judge(det[0], refs, bases, mode, why, detail)
-                        for i in range(1, DET_RUNS):
-                            if not all(torch.equal(a, c) for a, c in zip(det[0], det[i], strict=True)):
-                                why.append(f"deterministic run {i + 1} not bit-identical to run 1")
-                                break
-                except Exception as exc:  # one check fails, the rest run
-                    why.append(f"{type(exc).__name__}: {exc}")
-                ok = not why
-                failed += not ok
-                errs_s = " ".join(f"{n}={e:.2e}({bs:.2e})"
-                                  for n, e, bs in zip(("dq", "dk", "dv"), errs, bases, strict=True))
-                print(f"{'PASS' if ok else 'FAIL'} {label:<84} {errs_s}"
-                      + ("" if ok else "  " + "; ".join(why)), flush=True)
-                for line in detail:
-                    print(f"     {line}", flush=True)
+                failed += not check(mode, label,
+                                    lambda case_=case_, causal=causal: packed_case(case_, causal))
     return 1 if failed else 0
 
 

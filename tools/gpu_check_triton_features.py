@@ -35,7 +35,6 @@ import argparse
 import dataclasses
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -45,11 +44,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+from common import time_alternating  # noqa: E402
 
 from sparktune.backends.triton import warmup_jobs  # noqa: E402
 from sparktune.kernels import triton_attn as ta  # noqa: E402
 from sparktune.kernels import triton_space as space  # noqa: E402
-from sparktune.problem import DeviceInfo, Problem  # noqa: E402
+from sparktune.problem import DeviceInfo, Problem, _visible_pairs  # noqa: E402
 from tests._features_baseline import feature_attention  # noqa: E402
 
 FACTOR = 2.0
@@ -339,31 +341,6 @@ def precompile(jobs, processes: int) -> None:
 # ------------------------------------------------------------------------------------------
 
 
-def _visible_pairs(n: int, left: int) -> int:
-    """Visible (query, key) pairs of causal attention over n tokens with a left window."""
-    if left < 0 or left >= n - 1:
-        return n * (n + 1) // 2
-    return sum(min(i, left) + 1 for i in range(n))
-
-
-def _time_alternating(fns: dict, rounds: int, reps: int) -> dict[str, float]:
-    """Median milliseconds per call of each fn, measured in alternating rounds."""
-    times = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    torch.cuda.synchronize()
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end) / reps)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def speed(device, devinfo: DeviceInfo, rounds: int, flex: bool) -> None:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -414,7 +391,7 @@ def speed(device, devinfo: DeviceInfo, rounds: int, flex: bool) -> None:
           f"{'cudnn fwd':>11}{'fwd+bwd':>10}   configs")
     for name, kw in variants.items():
         left = kw.get("window", (-1, -1))[0]
-        pairs = _visible_pairs(n, left)
+        pairs = _visible_pairs(n, n, True, left, -1)
         flops_fwd = 4.0 * b * h * d * pairs
         flops_all = flops_fwd * 3.5
         prob = Case(name, dtype, d, h, h, (n,), (n,), causal=True, window=kw.get("window", (-1, -1)),
@@ -469,7 +446,7 @@ def speed(device, devinfo: DeviceInfo, rounds: int, flex: bool) -> None:
                 fns.update(cudnn_fwd=cudnn_fwd, cudnn_all=cudnn_all)
             except Exception as exc:  # noqa: BLE001
                 print(f"  cuDNN SDPA failed: {type(exc).__name__}: {str(exc)[:200]}")
-        ms = _time_alternating(fns, rounds, reps=3)
+        ms = time_alternating(fns, rounds, reps=3)
 
         def tf(key, flops, ms=ms):
             return f"{flops / (ms[key] * 1e-3) / 1e12:.0f}" if key in ms else "-"
