@@ -60,6 +60,11 @@ def test_sm90_backward_entries():
     bwd = [x for x in kernel_space.backward_space() if isinstance(x, kernel_space.Bwd90Entry)]
     assert {x.dtype for x in bwd} == {"f16", "bf16"} and {x.head_dim for x in bwd} >= {64, 128}
     assert kernel_space.select(kernel_space.full_space(), "bwd_sm90_f16_d128_*")
+    # the overlapped order: a suffix and a template argument; off, the original name and type
+    ov = kernel_space.Bwd90Entry("f16", 64, 64, 128, 3, True)
+    assert ov.name == "bwd_sm90_f16_d64_m64n128_s3_ov1"
+    assert ov.config_type == "Sm90BwdConfig<cutlass::half_t, 64, 64, 128, 3, true>"
+    assert {"bwd_sm90_f16_d64_m64n128_s3_ov1", "bwd_sm90_bf16_d64_m64n128_s3_ov1"} <= {x.name for x in bwd}
 
 
 def test_sm90_scheduling_switches_are_name_suffixes():
@@ -108,6 +113,8 @@ def test_sm90_backward_rules_say_why(tmp_path):
         assert "head dims 64 and 128" in rows[f"bwd_sm90_{dt}_d256_m64n128_s2"][4]
         assert "shared memory" in rows[f"bwd_sm90_{dt}_d128_m128n128_s2"][4]
         assert "register budget" in rows[f"bwd_sm90_{dt}_d64_m128n128_s2"][4]
+        assert rows[f"bwd_sm90_{dt}_d64_m64n128_s3_ov1"][1] == "1"
+        assert "overlapped order" in rows[f"bwd_sm90_{dt}_d128_m64n128_s3_ov1"][4]
 
 
 @pytest.mark.build

@@ -148,7 +148,10 @@ class Bwd90Entry:
     consumer warpgroups of 64 keys): ``bwd_sm90_f16_d128_m64n128_s2``; block_m is the query
     tile of a step, block_n the keys of a thread block, ``s`` the depth of the Q/dO pipeline.
     Compiled for sm_90a: it runs on sm_90 only. Every configuration has the deterministic mode
-    (a runtime switch: the caller passes the dQ semaphore workspace)."""
+    (a runtime switch: the caller passes the dQ semaphore workspace).
+
+    ``overlap`` (``_ov1``): the next query tile's S^T, dP^T and softmax under this tile's dV, dQ
+    and dK products inside each consumer warpgroup (see sm90_bwd_config.h). Off: no suffix."""
 
     rules_header = "sparktune/sm90_bwd_config.h"
     launch_header = "sparktune/sm90_bwd_launch.h"
@@ -160,19 +163,20 @@ class Bwd90Entry:
     block_m: int
     block_n: int
     stages: int
+    overlap: bool = False
 
     @property
     def name(self) -> str:
         return (
             f"bwd_sm90_{self.dtype}_d{self.head_dim}_m{self.block_m}n{self.block_n}"
-            f"_s{self.stages}"
+            f"_s{self.stages}{'_ov1' if self.overlap else ''}"
         )
 
     @property
     def config_type(self) -> str:
         return (
             f"Sm90BwdConfig<{DTYPES[self.dtype][1]}, {self.head_dim}, {self.block_m}, "
-            f"{self.block_n}, {self.stages}>"
+            f"{self.block_n}, {self.stages}{', true' if self.overlap else ''}>"
         )
 
 
@@ -266,6 +270,9 @@ def backward_space() -> list[BwdEntry | Bwd90Entry]:
                (128, 128, 128, 2), (256, 64, 128, 2)]
     entries += [Bwd90Entry(dt, hd, bm, bn, st) for dt in ("f16", "bf16")
                 for hd, bm, bn, st in tiles90]
+    # the overlapped order (``_ov1``, three stages): head dim 64, and head dim 128 declared so
+    # that the register rule says why it is out
+    entries += [Bwd90Entry(dt, hd, 64, 128, 3, True) for dt in ("f16", "bf16") for hd in (64, 128)]
     names = [e.name for e in entries]
     assert len(names) == len(set(names)), "duplicate configuration names"
     return entries

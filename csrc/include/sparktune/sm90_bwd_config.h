@@ -11,6 +11,13 @@
 // dQ = dS K with dS^T going through shared memory; each warpgroup computes head_dim / W columns
 // of dQ into a shared fp32 tile, which a producer warp adds to the fp32 workspace with one TMA
 // reduce-add (in deterministic mode in a fixed key-block order).
+//
+// A switch, kOverlap ("ov1"): software pipelining inside each consumer warpgroup. Iteration t
+// issues S^T and dP^T of step t + 1 ahead of dV, dQ and dK of step t and makes step t + 1's
+// P^T and dS^T while those four products run, so that the exponentials, the dS^T arithmetic
+// and its stores no longer leave the tensor cores idle between the two halves of a step. It
+// holds step t's 16-bit P^T and dS^T next to step t + 1's fp32 S^T and dP^T (the register rule
+// counts both) and needs three Q/dO stages (steps t and t + 1 are read while t + 2 loads).
 #pragma once
 
 #include <cutlass/numeric_types.h>
@@ -19,7 +26,8 @@
 
 namespace sparktune {
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_,
+          bool kOverlap_ = false>
 struct Sm90BwdConfig {
   using Element = Element_;
   static constexpr int kFamily = 90;
@@ -27,6 +35,7 @@ struct Sm90BwdConfig {
   static constexpr int kBlockM = kBlockM_;  // query rows per step
   static constexpr int kBlockN = kBlockN_;  // keys per thread block
   static constexpr int kStages = kStages_;  // depth of the Q / dO ring
+  static constexpr bool kOverlap = kOverlap_;
   static constexpr bool kIsHalf = std::is_same_v<Element, cutlass::half_t>;
   static constexpr bool kAcc32 = true;
 
@@ -66,7 +75,12 @@ struct Sm90BwdConfig {
   static constexpr int kRegOverhead = 16;
   static constexpr int kRegsDkv = 2 * 64 * kHeadDim / 128;
   static constexpr int kRegsSdP = 2 * 64 * kBlockM / 128;
-  static constexpr int kRegEstimate = kRegsDkv + kRegsSdP + kRegsSdP / 2 + kRegOverhead;
+  // The overlapped order (kOverlap) makes the next step's S^T and dP^T (fp32) while this
+  // step's 16-bit P^T and dS^T wait for dV and dK (the same peak as the plain order's
+  // conversion) and dQ's part (block_m x kDqCols fp32) lands: that part comes on top.
+  static constexpr int kRegsDq = kBlockM * kDqCols / 128;
+  static constexpr int kRegEstimate =
+      kRegsDkv + kRegsSdP + kRegsSdP / 2 + kRegOverhead + (kOverlap ? kRegsDq : 0);
 
   // ---- shared memory: K, V, the Q and dO slots, two dS^T buffers, dQ's fp32 tile, two buffers
   // of statistics (LSE in base 2 and D, fp32), barriers
@@ -96,18 +110,21 @@ struct Sm90BwdConfig {
   // (64-row wgmma tiles) and one TMA box
   static constexpr bool kBlockMOk = kBlockM % 64 == 0 && kBlockM >= 64 && kBlockM <= 128;
   static constexpr bool kStagesOk = kStages >= 2 && kStages <= 3;
+  static constexpr bool kOverlapOk = !kOverlap || kStages == 3;
   static constexpr bool kSmemOk = kSmemBytes <= kMaxSmemBytes;
   static constexpr bool kRegsOk = kRegEstimate <= kConsumerRegs;
 
   static constexpr bool kValid =
-      kHeadDimOk && kBlockNOk && kBlockMOk && kStagesOk && kSmemOk && kRegsOk;
+      kHeadDimOk && kBlockNOk && kBlockMOk && kStagesOk && kOverlapOk && kSmemOk && kRegsOk;
   static constexpr const char* kInvalidReason =
       !kHeadDimOk  ? "the sm90 backward is built for head dims 64 and 128 (256: dK and dV of a warpgroup, 2 x 64 x 256 fp32, do not fit the registers)"
       : !kBlockNOk ? "block_n must be 64 or 128 (one or two consumer warpgroups of 64 keys)"
       : !kBlockMOk ? "block_m must be 64 or 128 (S^T's N, dQ's 64-row wgmma tiles)"
       : !kStagesOk ? "the Q/dO pipeline has 2 or 3 stages"
+      : !kOverlapOk ? "the overlapped order (ov1) reads two steps' Q and dO while a third loads: it needs 3 stages"
       : !kSmemOk   ? "shared memory exceeds 227 KB per block"
-      : !kRegsOk   ? "register budget: dK, dV, S^T, dP^T, P^T and dS^T of a consumer thread need more registers than setmaxnreg can give it (ptxas would spill or serialize the wgmma)"
+      : !kRegsOk   ? (kOverlap ? "register budget: the overlapped order holds dK, dV, the next step's S^T and dP^T, this step's P^T and dS^T and dQ's part, more than setmaxnreg can give a consumer thread"
+                                   : "register budget: dK, dV, S^T, dP^T, P^T and dS^T of a consumer thread need more registers than setmaxnreg can give it (ptxas would spill or serialize the wgmma)")
                    : "";
 };
 

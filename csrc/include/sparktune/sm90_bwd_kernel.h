@@ -459,109 +459,189 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (ctid < 2 * kBlockM) st.stats(t & 1)[ctid] = v;
   };
 
-  if (!walk.empty()) {
-    store_stat(0, ctid < 2 * kBlockM ? load_stat(0) : 0.f);
-    // the value for step t + 1, loaded one step before it is stored
-    float pending = ctid < 2 * kBlockM && walk.steps(p.group) > 1 ? load_stat(1) : 0.f;
-    sm90::bar_sync(kBarStats, kConsumerThreads);
-    kv_full.wait(0);
-    for (int t = 0; t < walk.steps(p.group); ++t) {
-      {
-        const sm90::BwdStep<kStages> at(walk, t);
-        const int stage = at.stage, phase = at.phase, buf = at.buf, m = at.m;
-        const int row0 = m * kBlockM;
-        // S^T = K Q^T and dP^T = V dO^T, back to back
-        Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-        Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-        qdo_full[stage].wait(phase);
-        sm90::wgmma_gemm<true, false>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
-        sm90::wgmma_gemm<true, false>(mma_sdp, tPrV, tPrDo(_, _, _, stage), acc_dp);
-        float const* lse_s = st.stats(t & 1);
-        float const* d_s = lse_s + kBlockM;
-        Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
-        // the statistics of this thread's columns (queries; the same in every row of the
-        // view) into registers while the products run
-        constexpr int kCols = decltype(size<1>(s_rc))::value;
-        float lse_r[kCols], d_r[kCols];
-        CUTE_UNROLL
-        for (int c = 0; c < kCols; ++c) lse_r[c] = lse_s[get<1>(c_rc(0, c))];
-        warpgroup_wait<1>();  // S^T is done
-        warpgroup_fence_operand(acc_s);
-
-        // P^T = exp2(S^T * scale_log2 - lse_log2), zero where the key is not visible
-        const bool masked =
-            key0 + kBlockN > seqlen_k || (p.causal && key0 + kBlockN - 1 > row0 + diag);
-        CUTE_UNROLL
-        for (int r = 0; r < size<0>(s_rc); ++r) {
-          const int key = key0 + get<0>(c_rc(r, 0));
-          CUTE_UNROLL
-          for (int c = 0; c < size<1>(s_rc); ++c) {
-            const int qi = get<1>(c_rc(r, c));
-            const bool hidden =
-                masked && (key >= seqlen_k || (p.causal && key > row0 + qi + diag));
-            s_rc(r, c) = hidden ? 0.f : exp2f(fmaf(s_rc(r, c), p.scale_log2, -lse_r[c]));
-          }
-        }
-        CUTE_UNROLL
-        for (int c = 0; c < kCols; ++c) d_r[c] = d_s[get<1>(c_rc(0, c))];
-        warpgroup_wait<0>();  // dP^T is done
-        warpgroup_fence_operand(acc_dp);
-        // dS^T = P^T * (dP^T - D)
-        Tensor dp_rc = make_tensor(acc_dp.data(), sm90::rowcol_view(acc_dp.layout()));
-        CUTE_UNROLL
-        for (int r = 0; r < size<0>(dp_rc); ++r) {
-          CUTE_UNROLL
-          for (int c = 0; c < size<1>(dp_rc); ++c) {
-            dp_rc(r, c) = s_rc(r, c) * (dp_rc(r, c) - d_r[c]);
-          }
-        }
-        Tensor rP = convert_fragment<T>(acc_s);
-        Tensor rDs = convert_fragment<T>(acc_dp);
-        // dS^T to shared memory (dQ reads it as dS), before the register operands go in flight
-        cute::copy(copy_ds, thr_copy_ds.retile_S(rDs), tDSsDst(_, _, _, buf));
-        cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> wgmma reads
-        if (t + 1 < walk.steps(p.group)) store_stat(t + 1, pending);  // ordered by the barrier below
-
-        Tensor tVrP = make_tensor(rP.data(), sm90::acc_as_operand_a(rP.layout()));
-        Tensor tKrDs = make_tensor(rDs.data(), sm90::acc_as_operand_a(rDs.layout()));
-        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-        // dQ's tile to shared memory, for the dQ warp's reduce-add; the tile is free again once
-        // that warp's TMA has read the previous step's
-        auto stage_dq = [&]() {
-          if (t > 0) sm90::bar_sync(kBarDqEmpty + warpgroup - 1, kHandoff);
-          // element pairs (v, v + 1) are neighbouring columns of one row: one 8-byte store each
-          static_assert(decltype(size<0>(acc_dq))::value % 2 == 0, "accumulators hold column pairs");
-          CUTE_UNROLL
-          for (int mt = 0; mt < size<1>(acc_dq); ++mt) {
-            CUTE_UNROLL
-            for (int v = 0; v < size<0>(acc_dq); v += 2) {
-              *reinterpret_cast<float2*>(st.dq() + dq_store.offset(v, mt)) =
-                  make_float2(acc_dq(v, mt, 0), acc_dq(v + 1, mt, 0));
-            }
-          }
-          cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> the TMA's reads
-          sm90::bar_arrive(kBarDqFull + warpgroup - 1, kHandoff);
-        };
-        // dV += P^T dO; then, once every warpgroup's keys of dS^T are in shared memory, dQ part
-        // = dS K and dK += dS^T Q behind it. Waiting for all but the last batch leaves dK's
-        // product running while dQ's tile goes to shared memory, so the tensor cores are not
-        // idle during those stores.
-        sm90::wgmma_gemm<false, true>(mma_dkv, tVrP, tVrDot(_, _, _, stage), acc_dv);
-        sm90::bar_sync(kBarDsReady, kConsumerThreads);
-        sm90::wgmma_gemm<true, false>(mma_dq, tQrDs(_, _, _, buf), tQrKt, acc_dq);
-        sm90::wgmma_gemm<false, true>(mma_dkv, tKrDs, tKrQt(_, _, _, stage), acc_dk);
-        warpgroup_wait<1>();  // dV and dQ are done
-        warpgroup_fence_operand(acc_dq);
-        stage_dq();
-        if (t + 2 < walk.steps(p.group) && ctid < 2 * kBlockM) pending = load_stat(t + 2);
-        warpgroup_wait<0>();  // dK is done: dS^T leaves the registers
-        warpgroup_fence_operand(acc_dv);
-        warpgroup_fence_operand(acc_dk);
-        // Q and dO of the slot are read (every lane's reads before the arrive)
-        __syncwarp();
-        if (lane == 0) empty[stage].arrive();
+  // S^T = K Q^T and dP^T = V dO^T of step `at`, back to back (two wgmma batches), once its Q
+  // and dO have landed
+  using Step = sm90::BwdStep<kStages>;
+  auto issue_sdp = [&](Step const& at, auto& acc_s, auto& acc_dp) {
+    qdo_full[at.stage].wait(at.phase);
+    sm90::wgmma_gemm<true, false>(mma_sdp, tSrK, tSrQ(_, _, _, at.stage), acc_s);
+    sm90::wgmma_gemm<true, false>(mma_sdp, tPrV, tPrDo(_, _, _, at.stage), acc_dp);
+  };
+  // P^T = exp2(S^T * scale_log2 - lse_log2), zero where the key is not visible, then dS^T =
+  // P^T * (dP^T - D), in the accumulators of step `at`: S^T's batch is complete once at most
+  // wait_s batches are pending, dP^T's once wait_dp are (the batches issued after them).
+  auto softmax_ds = [&](Step const& at, auto& acc_s, auto& acc_dp, auto wait_s, auto wait_dp) {
+    const int row0 = at.m * kBlockM;
+    float const* lse_s = st.stats(at.buf);
+    float const* d_s = lse_s + kBlockM;
+    Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
+    // the statistics of this thread's columns (queries; the same in every row of the view)
+    // into registers while the products run
+    constexpr int kCols = decltype(size<1>(s_rc))::value;
+    float lse_r[kCols], d_r[kCols];
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) lse_r[c] = lse_s[get<1>(c_rc(0, c))];
+    warpgroup_wait<decltype(wait_s)::value>();  // S^T is done
+    warpgroup_fence_operand(acc_s);
+    const bool masked =
+        key0 + kBlockN > seqlen_k || (p.causal && key0 + kBlockN - 1 > row0 + diag);
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(s_rc); ++r) {
+      const int key = key0 + get<0>(c_rc(r, 0));
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s_rc); ++c) {
+        const int qi = get<1>(c_rc(r, c));
+        const bool hidden =
+            masked && (key >= seqlen_k || (p.causal && key > row0 + qi + diag));
+        s_rc(r, c) = hidden ? 0.f : exp2f(fmaf(s_rc(r, c), p.scale_log2, -lse_r[c]));
       }
     }
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) d_r[c] = d_s[get<1>(c_rc(0, c))];
+    warpgroup_wait<decltype(wait_dp)::value>();  // dP^T is done
+    warpgroup_fence_operand(acc_dp);
+    Tensor dp_rc = make_tensor(acc_dp.data(), sm90::rowcol_view(acc_dp.layout()));
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(dp_rc); ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(dp_rc); ++c) {
+        dp_rc(r, c) = s_rc(r, c) * (dp_rc(r, c) - d_r[c]);
+      }
+    }
+  };
+  // dS^T (16-bit) of step `at` to its shared buffer, where dQ's product reads it as dS
+  auto store_ds = [&](Step const& at, auto const& rDs) {
+    cute::copy(copy_ds, thr_copy_ds.retile_S(rDs), tDSsDst(_, _, _, at.buf));
+    cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> wgmma reads
+  };
+  // dQ's part of step t to shared memory, for the dQ warp's reduce-add; the tile is free again
+  // once that warp's TMA has read the previous step's
+  auto stage_dq = [&](const int t, auto const& acc_dq) {
+    if (t > 0) sm90::bar_sync(kBarDqEmpty + warpgroup - 1, kHandoff);
+    // element pairs (v, v + 1) are neighbouring columns of one row: one 8-byte store each
+    static_assert(decltype(size<0>(acc_dq))::value % 2 == 0, "accumulators hold column pairs");
+    CUTE_UNROLL
+    for (int mt = 0; mt < size<1>(acc_dq); ++mt) {
+      CUTE_UNROLL
+      for (int v = 0; v < size<0>(acc_dq); v += 2) {
+        *reinterpret_cast<float2*>(st.dq() + dq_store.offset(v, mt)) =
+            make_float2(acc_dq(v, mt, 0), acc_dq(v + 1, mt, 0));
+      }
+    }
+    cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> the TMA's reads
+    sm90::bar_arrive(kBarDqFull + warpgroup - 1, kHandoff);
+  };
+  // the slot of a step's Q and dO is read (every lane's reads before the arrive)
+  auto release_slot = [&](Step const& at) {
+    __syncwarp();
+    if (lane == 0) empty[at.stage].arrive();
+  };
+
+  const int steps = walk.steps(p.group);
+  if (steps > 0 && !Traits::kOverlap) {
+    store_stat(0, ctid < 2 * kBlockM ? load_stat(0) : 0.f);
+    // the value for step t + 1, loaded one step before it is stored
+    float pending = ctid < 2 * kBlockM && steps > 1 ? load_stat(1) : 0.f;
+    sm90::bar_sync(kBarStats, kConsumerThreads);
+    kv_full.wait(0);
+    for (int t = 0; t < steps; ++t) {
+      const Step at(walk, t);
+      const int stage = at.stage;
+      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+      issue_sdp(at, acc_s, acc_dp);
+      softmax_ds(at, acc_s, acc_dp, Int<1>{}, Int<0>{});
+      Tensor rP = convert_fragment<T>(acc_s);
+      Tensor rDs = convert_fragment<T>(acc_dp);
+      // dS^T to shared memory before the register operands go in flight
+      store_ds(at, rDs);
+      if (t + 1 < steps) store_stat(t + 1, pending);  // ordered by the barrier below
+
+      Tensor tVrP = make_tensor(rP.data(), sm90::acc_as_operand_a(rP.layout()));
+      Tensor tKrDs = make_tensor(rDs.data(), sm90::acc_as_operand_a(rDs.layout()));
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      // dV += P^T dO; then, once every warpgroup's keys of dS^T are in shared memory, dQ part
+      // = dS K and dK += dS^T Q behind it. Waiting for all but the last batch leaves dK's
+      // product running while dQ's tile goes to shared memory, so the tensor cores are not
+      // idle during those stores.
+      sm90::wgmma_gemm<false, true>(mma_dkv, tVrP, tVrDot(_, _, _, stage), acc_dv);
+      sm90::bar_sync(kBarDsReady, kConsumerThreads);
+      sm90::wgmma_gemm<true, false>(mma_dq, tQrDs(_, _, _, at.buf), tQrKt, acc_dq);
+      sm90::wgmma_gemm<false, true>(mma_dkv, tKrDs, tKrQt(_, _, _, stage), acc_dk);
+      warpgroup_wait<1>();  // dV and dQ are done
+      warpgroup_fence_operand(acc_dq);
+      stage_dq(t, acc_dq);
+      if (t + 2 < steps && ctid < 2 * kBlockM) pending = load_stat(t + 2);
+      warpgroup_wait<0>();  // dK is done: dS^T leaves the registers
+      warpgroup_fence_operand(acc_dv);
+      warpgroup_fence_operand(acc_dk);
+      release_slot(at);
+    }
+  }
+  if (steps > 0 && Traits::kOverlap) {
+    // ---- the overlapped order (ov1): step t + 1's softmax under step t's dV, dQ, dK ----
+    // Iteration t issues S^T and dP^T of step t + 1, then dV, dQ and dK of step t (whose P^T
+    // and dS^T were made in iteration t - 1), and makes P^T and dS^T of step t + 1 while the
+    // last four run. The 16-bit P^T and dS^T of step t are held as the register operands of
+    // dV and dK until those are done, next to step t + 1's fp32 accumulators (the register
+    // rule of sm90_bwd_config.h counts both); the Q/dO ring holds steps t, t + 1 and the load
+    // of t + 2 (three stages). dS^T of step t + 1 goes to its shared buffer once dK of step t
+    // is done; the buffer was last read by dQ of step t - 1, which every warpgroup finished
+    // before the barrier of iteration t. The statistics of step t + 2 go to their buffer
+    // after that barrier (that buffer held step t's, last read in iteration t - 1), loaded
+    // from global memory in iteration t - 1.
+    Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+    Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+    Tensor rP = make_fragment_like<T>(acc_s);
+    Tensor rDs = make_fragment_like<T>(acc_dp);
+    Tensor tVrP = make_tensor(rP.data(), sm90::acc_as_operand_a(rP.layout()));
+    Tensor tKrDs = make_tensor(rDs.data(), sm90::acc_as_operand_a(rDs.layout()));
+    store_stat(0, ctid < 2 * kBlockM ? load_stat(0) : 0.f);
+    float pending = ctid < 2 * kBlockM && steps > 1 ? load_stat(1) : 0.f;
+    sm90::bar_sync(kBarStats, kConsumerThreads);
+    kv_full.wait(0);
+    issue_sdp(Step(walk, 0), acc_s, acc_dp);
+    softmax_ds(Step(walk, 0), acc_s, acc_dp, Int<1>{}, Int<0>{});
+    sm90::convert_into(acc_s, rP);
+    sm90::convert_into(acc_dp, rDs);
+    store_ds(Step(walk, 0), rDs);
+    if (steps > 1) store_stat(1, pending);  // ordered by iteration 0's barrier
+    if (steps > 2 && ctid < 2 * kBlockM) pending = load_stat(2);
+    // iteration t; kNext: a step t + 1 follows (every iteration but the last, which is peeled
+    // off so that no wgmma batch or wait of the loop depends on a run-time condition)
+    auto iteration = [&](const int t, auto next_tag) {
+      constexpr bool kNext = decltype(next_tag)::value;
+      const Step at(walk, t);
+      const int stage = at.stage;
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      if constexpr (kNext) issue_sdp(Step(walk, t + 1), acc_s, acc_dp);
+      sm90::wgmma_gemm<false, true>(mma_dkv, tVrP, tVrDot(_, _, _, stage), acc_dv);
+      sm90::bar_sync(kBarDsReady, kConsumerThreads);  // every warpgroup's dS^T of step t
+      if (t + 2 < steps) store_stat(t + 2, pending);  // ordered by iteration t + 1's barrier
+      sm90::wgmma_gemm<true, false>(mma_dq, tQrDs(_, _, _, at.buf), tQrKt, acc_dq);
+      sm90::wgmma_gemm<false, true>(mma_dkv, tKrDs, tKrQt(_, _, _, stage), acc_dk);
+      if constexpr (kNext) {
+        // pending: S^T, dP^T (step t + 1), dV, dQ, dK (step t)
+        softmax_ds(Step(walk, t + 1), acc_s, acc_dp, Int<4>{}, Int<3>{});
+      }
+      warpgroup_wait<1>();  // dV and dQ of step t are done: P^T's registers are free
+      warpgroup_fence_operand(acc_dq);
+      warpgroup_fence_operand(acc_dv);
+      warpgroup_fence_operand(rP);
+      stage_dq(t, acc_dq);
+      if (t + 3 < steps && ctid < 2 * kBlockM) pending = load_stat(t + 3);
+      if constexpr (kNext) sm90::convert_into(acc_s, rP);
+      warpgroup_wait<0>();  // dK of step t is done: dS^T's registers and the slot are free
+      warpgroup_fence_operand(acc_dk);
+      warpgroup_fence_operand(rDs);
+      release_slot(at);
+      if constexpr (kNext) {
+        sm90::convert_into(acc_dp, rDs);
+        store_ds(Step(walk, t + 1), rDs);
+      }
+    };
+    for (int t = 0; t + 1 < steps; ++t) iteration(t, cute::true_type{});
+    iteration(steps - 1, cute::false_type{});
   }
 
   // ---- epilogue: dK (times the softmax scale) and dV, straight from the accumulators ----
