@@ -358,6 +358,12 @@ SM90_DETERMINISTIC_ONLY: frozenset[tuple[str, int]] = frozenset()
 UNVERIFIED: tuple[str, ...] = ()
 
 
+def is_persistent_sm90_fwd(name: str) -> bool:
+    """Whether ``name`` is a persistent Hopper forward kernel: ``fwd_sm90_..._ps1``, also where
+    a later suffix follows ``_ps1`` (the name's end is not enough)."""
+    return name.startswith("fwd_sm90_") and "ps1" in name.split("_")
+
+
 def is_unverified(name: str) -> bool:
     """Whether the configuration ``name`` waits for its first check on a GPU (:data:`UNVERIFIED`)."""
     return any(fnmatch.fnmatchcase(name, p) for p in UNVERIFIED)
