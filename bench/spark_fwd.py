@@ -105,6 +105,7 @@ def _each(args, b, p, flops, names, q, k, v, out, causal, d, n, bs, rows) -> Non
     """cuDNN and every config, timed in alternating rounds; one row per config (and per tile
     schedule of a persistent sm90 kernel with --schedules)."""
     from sparktune.backends import spark
+    from sparktune.kernels.kernel_space import is_persistent_sm90_fwd
 
     def call(nm, dynamic=None):
         def run():
@@ -118,7 +119,7 @@ def _each(args, b, p, flops, names, q, k, v, out, causal, d, n, bs, rows) -> Non
     for name in names:
         if name is None:
             continue
-        if schedules and name.startswith("fwd_sm90_") and name.endswith("_ps1"):
+        if schedules and is_persistent_sm90_fwd(name):
             for sched in schedules:
                 calls[f"{name}@{sched}"] = call(name, sched == "dynamic")
         else:

@@ -91,6 +91,78 @@ def test_sm90_scheduling_switches_are_name_suffixes():
     assert {"fwd_sm90_f16_d64_m192n128_s2_ps1", "fwd_sm90_f16_d64_m192n128_s2_ov1_pp0_ps1"} <= names
 
 
+def test_sm90_exp_emu_is_the_last_suffix():
+    """The FMA-pipe exp2 (``_ex<N>``): after every other suffix, the template's last argument
+    (the other three spelled out before it); 0 leaves the name and type of the kernel without it."""
+    from sparktune.kernels import kernel_space as ks
+
+    e = ks.Fwd90Entry("f16", 64, 192, 128, 2, exp_emu=2)
+    assert e.name == "fwd_sm90_f16_d64_m192n128_s2_ex2"
+    assert e.config_type == "Sm90FwdConfig<cutlass::half_t, 64, 192, 128, 2, false, false, false, 2>"
+    e = ks.Fwd90Entry("bf16", 128, 128, 128, 2, True, True, exp_emu=3)
+    assert e.name == "fwd_sm90_bf16_d128_m128n128_s2_ov1_pp1_ex3"
+    assert e.config_type == "Sm90FwdConfig<cutlass::bfloat16_t, 128, 128, 128, 2, true, true, false, 3>"
+    e = ks.Fwd90Entry("f16", 128, 128, 128, 2, True, True, True, 2)
+    assert e.name == "fwd_sm90_f16_d128_m128n128_s2_ov1_pp1_ps1_ex2"
+    assert e.config_type.endswith(", 2, true, true, true, 2>")
+    e = ks.Fwd90Entry("f16", 64, 192, 128, 2, persistent=True, exp_emu=2)
+    assert e.name == "fwd_sm90_f16_d64_m192n128_s2_ps1_ex2"
+    assert e.config_type.endswith(", 2, false, false, true, 2>")
+    space = [x for x in ks.forward_space() if isinstance(x, ks.Fwd90Entry)]
+    # without it (0), nothing of it in a name or type: the types of sm90_fwd_config.h's
+    # defaults, as before
+    for x in space:
+        if not x.exp_emu:
+            assert "_ex" not in x.name and x.config_type.count(",") in (4, 6, 7), x.config_type
+    emu = {x.name for x in space if x.exp_emu}
+    tails = ["d64_m192n128_s2", "d64_m192n128_s2_ov1_pp0", "d64_m192n128_s2_ps1",
+             "d64_m128n128_s2_ov1_pp1", "d128_m128n128_s2_ov1_pp1", "d128_m128n128_s2_ov1_pp0",
+             "d128_m128n128_s2_ov1_pp1_ps1"]
+    assert emu == {f"fwd_sm90_{dt}_{t}_ex{n}" for dt in ("f16", "bf16") for t in tails for n in (2, 3)}
+    # each is the variant of a declared kernel, and none is a default or in the default build
+    names = {x.name for x in space}
+    assert all(n.rsplit("_ex", 1)[0] in names for n in emu)
+    assert not any(ks.is_default(x) for x in space if x.exp_emu)
+    assert not emu & {x.name for x in ks.default_build(ks.full_space(), ROOT / "tuning_db")}
+    # the persistent ones are still persistent to the backend (tile counter) and the tools
+    assert ks.is_persistent_sm90_fwd("fwd_sm90_f16_d64_m192n128_s2_ps1_ex2")
+    assert ks.is_persistent_sm90_fwd("fwd_sm90_f16_d128_m128n128_s2_ov1_pp1_ps1")
+    assert not ks.is_persistent_sm90_fwd("fwd_sm90_f16_d128_m128n128_s2_ov1_pp1_ex2")
+    assert not ks.is_persistent_sm90_fwd("bwd_sm90_f16_d128_m64n128_s2")
+
+
+def test_sm90_exp_emu_rule_says_why(tmp_path):
+    """The C++ rule of the FMA-pipe exp2: 0 to 4 of every 8 columns; the declared ``_ex``
+    entries are all built."""
+    try:
+        nvcc = check.find_nvcc()
+        inc = check.cutlass_include()
+    except check.ToolUnavailable as e:
+        pytest.skip(f"cannot compile CUDA here: {e}")
+    src = tmp_path / "probe.cu"
+    src.write_text('#include <cstdio>\n#include "sparktune/sm90_fwd_config.h"\n'
+                   "template <int N> void row() {\n"
+                   "  using C = sparktune::Sm90FwdConfig<cutlass::half_t, 64, 192, 128, 2, false, false, false, N>;\n"
+                   '  std::printf("%d\\t%d\\t%s\\n", N, int(C::kValid), C::kInvalidReason);\n}\n'
+                   "int main() { row<-1>(); row<0>(); row<2>(); row<4>(); row<5>(); return 0; }\n")
+    exe = tmp_path / "probe"
+    subprocess.run([str(nvcc), "-std=c++17", "-o", str(exe), str(src), f"-I{inc}",
+                    f"-I{ROOT / 'csrc' / 'include'}"], check=True, capture_output=True, text=True)
+    rows = {int(r.split("\t")[0]): r.split("\t")[1:] for r in
+            subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.splitlines()}
+    assert rows[0] == ["1", ""] and rows[2] == ["1", ""] and rows[4] == ["1", ""]
+    for n in (-1, 5):
+        assert rows[n][0] == "0" and "0 to 4 of every 8 score columns" in rows[n][1], rows[n]
+    subprocess.run([sys.executable, str(ROOT / "csrc" / "gen_kernels.py"), "--out", str(tmp_path),
+                    "--nvcc", str(nvcc), "--include", str(inc), "--include",
+                    str(ROOT / "csrc" / "include"), "--filter", "fwd_sm90_*_ex*", "--families", "90"],
+                   check=True, capture_output=True, text=True)
+    rows = [r.split("\t") for r in (tmp_path / "space.tsv").read_text().splitlines()]
+    assert len(rows) == 28 and all(r[1] == "1" for r in rows), rows
+    src = (tmp_path / "fwd_sm90_bf16_d128_m128n128_s2_ov1_pp1_ps1_ex3.cu").read_text()
+    assert "register_sm90_fwd<Sm90FwdConfig<cutlass::bfloat16_t, 128, 128, 128, 2, true, true, true, 3>>" in src
+
+
 def test_sm90_backward_rules_say_why(tmp_path):
     """The C++ rules of the Hopper backward: which declared entries are built, and the reason
     for each that is not."""

@@ -20,6 +20,7 @@ import torch
 from sparktune.backends import spark
 from sparktune.backends.spark import SparkBackend, load_extension
 from sparktune.dtypes import TORCH_DTYPES
+from sparktune.kernels.kernel_space import is_persistent_sm90_fwd
 from sparktune.problem import DeviceInfo, Problem
 
 _C, _C_ERR = load_extension()
@@ -305,7 +306,7 @@ def test_sm90_packed_features_match_float64_reference(name):
 
 @pytest.mark.gpu
 @needs_ext
-@pytest.mark.parametrize("name", [n for n in KERNELS90 if n.endswith("_ps1")][:2])
+@pytest.mark.parametrize("name", [n for n in KERNELS90 if is_persistent_sm90_fwd(n)][:2])
 def test_sm90_persistent_schedules_agree_with_windows(name, monkeypatch):
     """A persistent kernel's static and dynamic tile schedules give the same bits with a window
     and softcap (tiles of uneven work, and tiles with no key block at all)."""

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from sparktune.backends import spark
+from sparktune.kernels.kernel_space import is_persistent_sm90_fwd
 
 PS1 = "fwd_sm90_f16_d64_m128n128_s2_ps1"
+PS1_EX = "fwd_sm90_f16_d64_m192n128_s2_ps1_ex2"  # a suffix after _ps1: persistent still
 
 
 def test_env_switch():
@@ -53,12 +55,13 @@ def test_forward_passes_a_zeroed_counter_to_persistent_sm90_kernels(fake, monkey
     monkeypatch.setattr(spark, "SM90_DYNAMIC", dynamic)
     b = spark.SparkBackend()
     q, k, v = _qkv()
-    for config in (PS1, "fwd_sm90_f16_d64_m128n128_s2", "fwd_sm80_f16_d64_m128n64_w4x1_acc32_preg"):
+    for config in (PS1, PS1_EX, "fwd_sm90_f16_d64_m128n128_s2", "fwd_sm90_f16_d64_m192n128_s2_ex2",
+                   "fwd_sm80_f16_d64_m128n64_w4x1_acc32_preg"):
         fake.calls.clear()
         b.forward(q, k, v, torch.empty_like(q), config=config, causal=True, scale=0.125)
         (args, kwargs, value), = fake.calls
         assert args[0] == config and args[-1] == 1234  # the stream is the last positional one
-        if dynamic and config == PS1:
+        if dynamic and config in (PS1, PS1_EX):
             assert set(kwargs) == {"tile_counter"} and kwargs["tile_counter"] != 0 and value == 0
         else:
             assert kwargs == {}
@@ -100,7 +103,7 @@ def _ps1_kernels():
     if mod is None:
         return []
     return sorted(k["name"] for k in mod.kernels()
-                  if k["name"].startswith("fwd_sm90_") and k["name"].endswith("_ps1"))
+                  if is_persistent_sm90_fwd(k["name"]))
 
 
 #: (batch, heads_q, heads_kv, seqlen_q, seqlen_k, causal): several tiles per block, uneven

@@ -19,6 +19,7 @@ from ..kernels.kernel_space import (
     FWD_DEFAULTS,
     SM90_DEFAULTS,
     SM90_DETERMINISTIC_ONLY,
+    is_persistent_sm90_fwd,
     is_unverified,
 )
 from .base import Backend
@@ -39,7 +40,7 @@ def _dynamic_from_env(environ: Any) -> bool:
 
 
 #: ``SPARKTUNE_SM90_DYNAMIC`` (read once, at import): how the persistent Hopper forward kernels
-#: (``fwd_sm90_*_ps1``) hand out their tiles. ``1``: dynamically, each block taking the next
+#: (``fwd_sm90_*_ps1*``) hand out their tiles. ``1``: dynamically, each block taking the next
 #: tile of the heaviest-first order from a counter (a zeroed int32 tensor allocated per call)
 #: when it is free; unset or anything else: in the static alternating rounds (no counter).
 #: Both give bit-identical results; packed-sequence calls always take the static rounds. Off by
@@ -54,7 +55,7 @@ def _counts_tiles(config: str) -> bool:
     forward kernel while the dynamic schedule is on (:data:`SM90_DYNAMIC`). The counter is a
     torch.zeros per call, kept alive until the launch: under CUDA graphs a memset node, under
     torch.compile part of the op."""
-    return SM90_DYNAMIC and config.startswith("fwd_sm90_") and config.endswith("_ps1")
+    return SM90_DYNAMIC and is_persistent_sm90_fwd(config)
 
 
 @functools.lru_cache(maxsize=1)
