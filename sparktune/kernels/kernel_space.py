@@ -72,10 +72,7 @@ class Fwd90Entry:
     ``overlap`` (``_ov1``): softmax of key block j under the P V product of block j - 1 inside
     each consumer warpgroup; ``pingpong`` (``_pp1``, needs ``overlap``): the two consumer
     warpgroups take turns issuing their GEMMs. Both off: no suffix, the original kernel.
-    ``persistent`` (``_ps1``): one block per SM walks the tiles (see sm90_fwd_config.h).
-    ``exp_emu`` (``_ex<N>``, 0 to 4, last of the suffixes): N of every 8 score columns of a
-    thread's row take 2^x from a polynomial on the FMA pipe instead of the special-function
-    unit, in the key blocks without the element mask (sm90_fwd_config.h)."""
+    ``persistent`` (``_ps1``): one block per SM walks the tiles (see sm90_fwd_config.h)."""
 
     rules_header = "sparktune/sm90_fwd_config.h"
     launch_header = "sparktune/sm90_fwd_launch.h"
@@ -90,15 +87,12 @@ class Fwd90Entry:
     overlap: bool = False
     pingpong: bool = False
     persistent: bool = False
-    exp_emu: int = 0
 
     @property
     def name(self) -> str:
         sched = f"_ov{int(self.overlap)}_pp{int(self.pingpong)}" if self.overlap or self.pingpong else ""
         if self.persistent:
             sched += "_ps1"
-        if self.exp_emu:
-            sched += f"_ex{self.exp_emu}"
         return (
             f"fwd_sm90_{self.dtype}_d{self.head_dim}_m{self.block_m}n{self.block_n}"
             f"_s{self.stages}{sched}"
@@ -107,12 +101,10 @@ class Fwd90Entry:
     @property
     def config_type(self) -> str:
         sched = ""
-        if self.overlap or self.pingpong or self.persistent or self.exp_emu:
+        if self.overlap or self.pingpong or self.persistent:
             sched = f", {str(self.overlap).lower()}, {str(self.pingpong).lower()}"
-        if self.persistent or self.exp_emu:
-            sched += f", {str(self.persistent).lower()}"
-        if self.exp_emu:
-            sched += f", {self.exp_emu}"
+        if self.persistent:
+            sched += ", true"
         return (
             f"Sm90FwdConfig<{DTYPES[self.dtype][1]}, {self.head_dim}, {self.block_m}, "
             f"{self.block_n}, {self.stages}{sched}>"
@@ -237,15 +229,6 @@ def forward_space() -> list[FwdEntry | Fwd90Entry]:
               (128, 128, 128, 2, True, True)]
     entries += [Fwd90Entry(dt, hd, bm, bn, st, ov, pp, True) for dt in ("f16", "bf16")
                 for hd, bm, bn, st, ov, pp in pers90]
-    # a quarter and three eighths of the exponentials on the FMA pipe (``_ex2``, ``_ex3``), for
-    # the fastest kernels of each head dim: (head_dim, block_m, block_n, stages, overlap,
-    # pingpong, persistent)
-    emu90 = [(64, 192, 128, 2, False, False, False), (64, 192, 128, 2, True, False, False),
-             (64, 192, 128, 2, False, False, True), (64, 128, 128, 2, True, True, False),
-             (128, 128, 128, 2, True, True, False), (128, 128, 128, 2, True, False, False),
-             (128, 128, 128, 2, True, True, True)]
-    entries += [Fwd90Entry(dt, hd, bm, bn, st, ov, pp, ps, ex) for dt in ("f16", "bf16")
-                for hd, bm, bn, st, ov, pp, ps in emu90 for ex in (2, 3)]
     names = [e.name for e in entries]
     assert len(names) == len(set(names)), "duplicate configuration names"
     return entries

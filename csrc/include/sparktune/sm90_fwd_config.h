@@ -28,15 +28,6 @@
 //   named barriers), so that one warpgroup's softmax runs under the other's GEMMs. It orders
 //   the per-step burst of both GEMMs that only the overlapped order has, so it needs kOverlap,
 //   and it alternates between exactly two warpgroups.
-//
-// A numerical switch, kExpEmu ("ex<N>", 0 = off: the original kernel, instruction for
-// instruction): of every 8 score columns of a thread's row, N take 2^x from a polynomial on the
-// FMA and integer pipes (sm90::exp2_fma) instead of MUFU.EX2, so that the special-function unit
-// (16 results a clock per SM against 4096 tensor FLOP: at head dim 64 a key block's
-// exponentials take about as long as its two GEMMs, and soft-capping adds a tanh per score on
-// the same unit) shares the exponentials with the FMA pipe. Only the key blocks without the
-// element mask take it (their exponents are finite and at most 0); the masked ones, and the
-// overlapped order's first block, keep exp2f.
 #pragma once
 
 #include <cutlass/numeric_types.h>
@@ -46,8 +37,7 @@
 namespace sparktune {
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_,
-          bool kOverlap_ = false, bool kPingpong_ = false, bool kPersistent_ = false,
-          int kExpEmu_ = 0>
+          bool kOverlap_ = false, bool kPingpong_ = false, bool kPersistent_ = false>
 struct Sm90FwdConfig {
   using Element = Element_;
   static constexpr int kFamily = 90;
@@ -58,7 +48,6 @@ struct Sm90FwdConfig {
   static constexpr bool kOverlap = kOverlap_;
   static constexpr bool kPingpong = kPingpong_;
   static constexpr bool kPersistent = kPersistent_;
-  static constexpr int kExpEmu = kExpEmu_;  // of every 8 columns of a row, on the FMA pipe
   static constexpr bool kIsHalf = std::is_same_v<Element, cutlass::half_t>;
   static constexpr bool kAcc32 = true;  // wgmma with 16-bit inputs: fp32 accumulators here
 
@@ -125,13 +114,9 @@ struct Sm90FwdConfig {
   static constexpr bool kRegsOk = kRegEstimate <= kConsumerRegs;
   // ping-pong: the GEMM bursts of the overlapped order, alternating between two warpgroups
   static constexpr bool kPingpongOk = !kPingpong || (kOverlap && kConsumerWarpgroups == 2);
-  // the FMA-pipe exponentials: at most half of them, since the FMA pipe also carries the rest
-  // of the softmax (the exponents' FMA, the row maximum and sum, O's rescaling, P's conversion)
-  // and one exp2_fma costs it several instructions where MUFU.EX2 is one
-  static constexpr bool kExpEmuOk = kExpEmu >= 0 && kExpEmu <= 4;
 
-  static constexpr bool kValid = kHeadDimOk && kBlockMOk && kBlockNOk && kStagesOk && kSmemOk &&
-                                 kRegsOk && kPingpongOk && kExpEmuOk;
+  static constexpr bool kValid =
+      kHeadDimOk && kBlockMOk && kBlockNOk && kStagesOk && kSmemOk && kRegsOk && kPingpongOk;
   static constexpr const char* kInvalidReason =
       !kHeadDimOk  ? "the sm90 family is built for head dims 64 and 128 (256: the 64 x 256 fp32 O accumulator of a warpgroup spills)"
       : !kBlockMOk ? "block_m must be 64, 128 or 192 (one to three consumer warpgroups of 64 rows)"
@@ -140,7 +125,6 @@ struct Sm90FwdConfig {
       : !kSmemOk   ? "shared memory exceeds 227 KB per block"
       : !kRegsOk   ? "register budget: O, S and P of a consumer thread need more registers than setmaxnreg can give it (ptxas would spill)"
       : !kPingpongOk ? "ping-pong alternates the GEMM bursts of the overlapped order (ov1) between exactly two consumer warpgroups (block_m 128)"
-      : !kExpEmuOk ? "the FMA-pipe exp2 (ex) takes 0 to 4 of every 8 score columns of a row (more would move the softmax's bottleneck from the special-function unit to the FMA pipe)"
                    : "";
 };
 

@@ -96,56 +96,6 @@ CUTE_DEVICE float tanh_approx(const float x) {
   return y;
 }
 
-// 2^x on the FMA and integer pipes (no MUFU.EX2), for finite x <= 0 (a few ulp above 0 is
-// fine): the exponents of the key blocks that take no element mask (kExpEmu,
-// sm90_fwd_config.h). x is clamped to -125, so that j + 127 below stays a normal exponent
-// (2^-125 for anything smaller: not 0, so that the masked blocks' -inf, which must give exactly
-// 0, keep exp2f), then split as j + f with j = rint(x) and f in [-0.5, 0.5]: x + 1.5 * 2^23
-// rounds x to an integer in the low mantissa bits of t (t - 1.5 * 2^23 is j exactly, and so is
-// x - j), 2^f is a polynomial (Horner, one FMA a degree) and 2^j goes into its exponent field as
-// an integer add of j << 23: t's bits are those of 1.5 * 2^23 plus j, and the shift by 23
-// leaves nothing of the constant (its low 9 bits are 0). A NaN x gives 2^-125, not NaN.
-// The polynomial: minimax of the relative error of degree 3 for 2^f on [-0.5, 0.5]: at most
-// 7.5e-5 in fp32 arithmetic (well below fp16's half ulp, 4.9e-4, and bf16's); the CPU test of
-// this routine (tests/test_exp2_fma.py) reads these constants from this file.
-constexpr float kExp2Lowest = -125.f;
-constexpr float kExp2Round = 12582912.f;  // 1.5 * 2^23
-constexpr float kExp2C0 = 0.99992806f;
-constexpr float kExp2C1 = 0.69326097f;
-constexpr float kExp2C2 = 0.24261113f;
-constexpr float kExp2C3 = 0.05517167f;
-
-CUTE_DEVICE float exp2_fma(float x) {
-  x = fmaxf(x, kExp2Lowest);
-  // (__fadd_rn / __fsub_rn: each rounded on its own, never contracted or reassociated)
-  const float t = __fadd_rn(x, kExp2Round);
-  const float f = __fsub_rn(x, __fsub_rn(t, kExp2Round));
-  float q = fmaf(kExp2C3, f, kExp2C2);
-  q = fmaf(q, f, kExp2C1);
-  q = fmaf(q, f, kExp2C0);
-  return __int_as_float(__float_as_int(q) + (__float_as_int(t) << 23));
-}
-
-// Whether element c of a thread's row of S (the c of rowcol_view) takes exp2_fma when kEmu of
-// every 8 do: spread over the 8 (c % 8 = 7 for one, 3 and 7 for two, 2, 5 and 7 for three, the
-// odd ones for four) rather than in one run, so that in the unrolled loop's order the
-// polynomial chains fall between the MUFU.EX2 instructions and the scheduler finds independent
-// work for both pipes at every point of it, not a run of one kind and then of the other.
-template <int kEmu>
-CUTE_HOST_DEVICE constexpr bool exp2_on_fma(const int c) {
-  return (c % 8 + 1) * kEmu / 8 > (c % 8) * kEmu / 8;
-}
-
-// 2^x for element c of a thread's row: MUFU.EX2 (exp2f with --use_fast_math), or exp2_fma for
-// the columns exp2_on_fma<kEmu> picks (c is a constant in the unrolled loops)
-template <int kEmu>
-CUTE_DEVICE float exp2_col(const float x, const int c) {
-  if constexpr (kEmu > 0) {
-    if (exp2_on_fma<kEmu>(c)) return exp2_fma(x);
-  }
-  return exp2f(x);
-}
-
 // Bytes from a shared-memory pointer to the next multiple of kAlign of its shared address.
 template <int kAlign>
 CUTE_DEVICE int align_pad(const void* smem) {
@@ -616,10 +566,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (softcap_on || alibi_on) modify_s(acc_s, n);
       if constexpr (kMask) mask_s(acc_s, n);  // the band's edges and the key tail
 
-      // online softmax, base 2; a row is spread over the four lanes of a quad. Without the
-      // mask every element is visible and the row maximum finite: the exponents are finite and
-      // at most 0, and some columns may take the FMA pipe's exp2 (kExpEmu)
-      constexpr int kEmu = kMask ? 0 : Traits::kExpEmu;
+      // online softmax, base 2; a row is spread over the four lanes of a quad
       Tensor o_rc = make_tensor(acc_o.data(), sm90::rowcol_view(acc_o.layout()));
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
@@ -633,7 +580,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         float sum = 0.f;
         CUTE_UNROLL
         for (int c = 0; c < size<1>(s_rc); ++c) {
-          const float e = sm90::exp2_col<kEmu>(fmaf(s_rc(r, c), scale_log2, -base), c);
+          const float e = exp2f(fmaf(s_rc(r, c), scale_log2, -base));
           s_rc(r, c) = e;
           sum += e;
         }
@@ -688,12 +635,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
       // online softmax of S (base 2, a row over the four lanes of a quad): S becomes the
       // unnormalised probabilities, the row statistics move on, alpha[r] is what O's row r is
-      // to be multiplied by once the pending P V product has landed in it; emu_tag
-      // (Int<kEmu>): kEmu of every 8 columns take the FMA pipe's exp2, for blocks without
-      // the mask only (finite exponents, at most 0)
+      // to be multiplied by once the pending P V product has landed in it
       float alpha[kRows];
-      auto softmax_s = [&](auto& acc_s, auto emu_tag) {
-        constexpr int kEmu = decltype(emu_tag)::value;
+      auto softmax_s = [&](auto& acc_s) {
         Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
@@ -707,7 +651,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           float sum = 0.f;
           CUTE_UNROLL
           for (int c = 0; c < size<1>(s_rc); ++c) {
-            const float e = sm90::exp2_col<kEmu>(fmaf(s_rc(r, c), scale_log2, -base), c);
+            const float e = exp2f(fmaf(s_rc(r, c), scale_log2, -base));
             s_rc(r, c) = e;
             sum += e;
           }
@@ -748,7 +692,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (lane == 0) k_empty[stage].arrive();
         if (softcap_on || alibi_on) modify_s(acc_s, n);
         if (needs_mask(n)) mask_s(acc_s, n);
-        softmax_s(acc_s, cute::Int<0>{});  // (masked or not: a runtime choice here)
+        softmax_s(acc_s);
         sm90::convert_into(acc_s, rP);
         advance();
       }
@@ -766,7 +710,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (lane == 0) k_empty[stage].arrive();
         if (softcap_on || alibi_on) modify_s(acc_s, n);
         if constexpr (kMask) mask_s(acc_s, n);
-        softmax_s(acc_s, cute::Int<kMask ? 0 : Traits::kExpEmu>{});
+        softmax_s(acc_s);
         warpgroup_wait<0>();  // O and P_{j-1} are free again
         warpgroup_fence_operand(acc_o);
         warpgroup_fence_operand(rP);
