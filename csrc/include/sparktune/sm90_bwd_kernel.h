@@ -478,26 +478,47 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // the statistics of this thread's columns (queries; the same in every row of the view)
     // into registers while the products run
     constexpr int kCols = decltype(size<1>(s_rc))::value;
+    // a thread's columns come in pairs of neighbouring queries (c even, c + 1): one 8-byte load
+    // of each statistic per pair
+    static_assert(kCols % 2 == 0, "accumulator columns in pairs");
     float lse_r[kCols], d_r[kCols];
-    CUTE_UNROLL
-    for (int c = 0; c < kCols; ++c) lse_r[c] = lse_s[get<1>(c_rc(0, c))];
+    auto load_pairs = [&](float* dst, float const* src) {
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; c += 2) {
+        const float2 v = *reinterpret_cast<float2 const*>(src + get<1>(c_rc(0, c)));
+        dst[c] = v.x;
+        dst[c + 1] = v.y;
+      }
+    };
+    load_pairs(lse_r, lse_s);
     warpgroup_wait<decltype(wait_s)::value>();  // S^T is done
     warpgroup_fence_operand(acc_s);
     const bool masked =
         key0 + kBlockN > seqlen_k || (p.causal && key0 + kBlockN - 1 > row0 + diag);
-    CUTE_UNROLL
-    for (int r = 0; r < size<0>(s_rc); ++r) {
-      const int key = key0 + get<0>(c_rc(r, 0));
+    if (!masked) {
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(s_rc); ++c) {
-        const int qi = get<1>(c_rc(r, c));
-        const bool hidden =
-            masked && (key >= seqlen_k || (p.causal && key > row0 + qi + diag));
-        s_rc(r, c) = hidden ? 0.f : exp2f(fmaf(s_rc(r, c), p.scale_log2, -lse_r[c]));
+      for (int r = 0; r < size<0>(s_rc); ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s_rc); ++c) {
+          s_rc(r, c) = exp2f(fmaf(s_rc(r, c), p.scale_log2, -lse_r[c]));
+        }
+      }
+    } else {
+      // the exponential of every element, then a select: no branch per element
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(s_rc); ++r) {
+        const int key = key0 + get<0>(c_rc(r, 0));
+        const int last = p.causal ? key - row0 - diag : 0;  // causal: hidden below query `last`
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s_rc); ++c) {
+          const int qi = get<1>(c_rc(r, c));
+          const bool hidden = (key >= seqlen_k) | (qi < last);
+          const float e = exp2f(fmaf(s_rc(r, c), p.scale_log2, -lse_r[c]));
+          s_rc(r, c) = hidden ? 0.f : e;
+        }
       }
     }
-    CUTE_UNROLL
-    for (int c = 0; c < kCols; ++c) d_r[c] = d_s[get<1>(c_rc(0, c))];
+    load_pairs(d_r, d_s);
     warpgroup_wait<decltype(wait_dp)::value>();  // dP^T is done
     warpgroup_fence_operand(acc_dp);
     Tensor dp_rc = make_tensor(acc_dp.data(), sm90::rowcol_view(acc_dp.layout()));
