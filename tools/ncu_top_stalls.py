@@ -62,6 +62,15 @@ def main(argv=None) -> int:
         reasons = sorted(((num(r[c]), c) for c in reason_cols), reverse=True)[:3]
         rs = " ".join(f"{c.replace('stall_', '')}={100 * v / total:.1f}" for v, c in reasons if v)
         print(f"{100 * num(r[total_col]) / total:5.1f}%  {r[addr_col]:>6}  {r[src_col].strip()[:90]:90s} {rs}")
+    exc_col = next((c for c in cols if c == "L1 Wavefronts Shared Excessive"), None)
+    if exc_col:
+        exc = sorted(rows, key=lambda r: -num(r[exc_col]))
+        tot = sum(num(r[exc_col]) for r in rows)
+        print(f"shared-memory wavefronts beyond the ideal: {tot:.0f}; the lines with most:")
+        for r in exc[:12]:
+            if num(r[exc_col]) <= 0:
+                break
+            print(f"{num(r[exc_col]):12.0f}  {r[addr_col]:>6}  {r[src_col].strip()[:90]}")
     return 0
 
 
