@@ -219,9 +219,9 @@ def forward_space() -> list[FwdEntry | Fwd90Entry]:
     entries += [Fwd90Entry(dt, 64, 192, 128, 2, ov, False) for dt in ("f16", "bf16")
                 for ov in (True, False)]
     # persistent blocks (``_ps1``): the plain and the overlapped orders of the fastest tiles
-    # (m192n128_s2_ps1, three warpgroups without the overlap, spills 8 B in ptxas -v for
-    # sm_90a in its tile loop; it is kept: on an H200 it is the fastest kernel of several
-    # short head dim 64 shapes, BENCHMARKS.md "Persistent blocks, second version")
+    # (m192n128_s2_ps1, three warpgroups without the overlap, spilled 8 B in ptxas -v for
+    # sm_90a in its tile loop when it was added, none now; on an H200 it is the fastest kernel
+    # of several short head dim 64 shapes, BENCHMARKS.md "Persistent blocks, second version")
     pers90 = [(64, 128, 128, 2, False, False), (64, 128, 128, 2, True, False),
               (64, 128, 128, 3, False, False), (64, 192, 128, 2, True, False),
               (64, 192, 128, 2, False, False),
@@ -265,7 +265,8 @@ def backward_space() -> list[BwdEntry | Bwd90Entry]:
     # (shared memory) and head dim 256 are declared so that the rules say why they are out.
     # (Not declared: head dim 128 with one warpgroup, m64n64, which holds dQ's whole 64 x 128
     # tile in one warpgroup: ptxas serialized its wgmma for lack of registers; head dim 128
-    # with three stages: ptxas -v spilled 12 B, two stages 4 B.)
+    # with three stages: no spill in ptxas -v since P^T's softmax lost its branch per element
+    # (12 B before), but on an H200 no faster than two (0.97-1.04x, BENCHMARKS.md).)
     tiles90 = [(64, 64, 128, 2), (64, 128, 128, 2), (64, 64, 64, 2), (128, 64, 128, 2),
                (128, 128, 128, 2), (256, 64, 128, 2)]
     entries += [Bwd90Entry(dt, hd, bm, bn, st) for dt in ("f16", "bf16")
