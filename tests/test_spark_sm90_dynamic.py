@@ -15,7 +15,7 @@ from sparktune.backends import spark
 from sparktune.kernels.kernel_space import is_persistent_sm90_fwd
 
 PS1 = "fwd_sm90_f16_d64_m128n128_s2_ps1"
-PS1_EX = "fwd_sm90_f16_d64_m192n128_s2_ps1_ex2"  # a suffix after _ps1: persistent still
+PS1_EX = "fwd_sm90_f16_d64_m192n128_s2_ps1_ex2"  # a (made-up) suffix after _ps1: still persistent
 
 
 def test_env_switch():

@@ -16,17 +16,19 @@ out=${OUT:-/tmp}/ncu
 mkdir -p "$out"
 case $kernel in fwd_*) regex='fwd_kernel' ;; *) regex='bwd_kernel' ;; esac
 args=(--seqlen-q 4096 --seqlen-k 4096 --batch 4 "$@")
-"$ncu" --clock-control none --kernel-name "regex:sm90_$regex" --launch-count 1 \
+# pipe utilisation (tensor, XU = special functions, FMA, ALU), shared-memory wavefronts, issue
+metrics=sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active
+"$ncu" --clock-control none --kernel-name "regex:$regex" --launch-count 1 \
   --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
   --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section InstructionStats \
   --section SourceCounters --section LaunchStats --section Occupancy \
-  --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active \
+  --metrics "$metrics" \
   --import-source no -o "$out/$kernel" -f \
   python3 tools/sanitize_one.py "$kernel" "${args[@]}" > "$out/$kernel.run.txt" 2>&1
 rc=$?
 "$ncu" --import "$out/$kernel.ncu-rep" --page details --print-details all > "$out/$kernel.txt" 2>&1 || true
 "$ncu" --import "$out/$kernel.ncu-rep" --page raw --csv \
-  --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum \
+  --metrics "$metrics,gpu__time_duration.sum" \
   >> "$out/$kernel.txt" 2>&1 || true
 "$ncu" --import "$out/$kernel.ncu-rep" --page source --print-source sass --csv > "$out/$kernel.sass.csv" 2>/dev/null || true
 python3 tools/ncu_top_stalls.py "$out/$kernel.sass.csv" > "$out/$kernel.top.txt" 2>&1 || true
