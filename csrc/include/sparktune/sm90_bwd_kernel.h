@@ -559,12 +559,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
 
   const int steps = walk.steps(p.group);
-  if (steps > 0 && !Traits::kOverlap) {
+  // the statistics of step 0 in their buffer, those of step 1 loaded (the value for step
+  // t + 1 is loaded one step before it is stored), K and V landed
+  float pending = 0.f;
+  if (steps > 0) {
     store_stat(0, ctid < 2 * kBlockM ? load_stat(0) : 0.f);
-    // the value for step t + 1, loaded one step before it is stored
-    float pending = ctid < 2 * kBlockM && steps > 1 ? load_stat(1) : 0.f;
+    pending = ctid < 2 * kBlockM && steps > 1 ? load_stat(1) : 0.f;
     sm90::bar_sync(kBarStats, kConsumerThreads);
     kv_full.wait(0);
+  }
+  if (steps > 0 && !Traits::kOverlap) {
     for (int t = 0; t < steps; ++t) {
       const Step at(walk, t);
       const int stage = at.stage;
@@ -617,15 +621,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     Tensor rDs = make_fragment_like<T>(acc_dp);
     Tensor tVrP = make_tensor(rP.data(), sm90::acc_as_operand_a(rP.layout()));
     Tensor tKrDs = make_tensor(rDs.data(), sm90::acc_as_operand_a(rDs.layout()));
-    store_stat(0, ctid < 2 * kBlockM ? load_stat(0) : 0.f);
-    float pending = ctid < 2 * kBlockM && steps > 1 ? load_stat(1) : 0.f;
-    sm90::bar_sync(kBarStats, kConsumerThreads);
-    kv_full.wait(0);
-    issue_sdp(Step(walk, 0), acc_s, acc_dp);
-    softmax_ds(Step(walk, 0), acc_s, acc_dp, Int<1>{}, Int<0>{});
+    const Step first(walk, 0);
+    issue_sdp(first, acc_s, acc_dp);
+    softmax_ds(first, acc_s, acc_dp, Int<1>{}, Int<0>{});
     sm90::convert_into(acc_s, rP);
     sm90::convert_into(acc_dp, rDs);
-    store_ds(Step(walk, 0), rDs);
+    store_ds(first, rDs);
     if (steps > 1) store_stat(1, pending);  // ordered by iteration 0's barrier
     if (steps > 2 && ctid < 2 * kBlockM) pending = load_stat(2);
     // iteration t; kNext: a step t + 1 follows (every iteration but the last, which is peeled
@@ -633,9 +634,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     auto iteration = [&](const int t, auto next_tag) {
       constexpr bool kNext = decltype(next_tag)::value;
       const Step at(walk, t);
+      [[maybe_unused]] const Step nx(walk, t + 1);  // step t + 1 (used where kNext)
       const int stage = at.stage;
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-      if constexpr (kNext) issue_sdp(Step(walk, t + 1), acc_s, acc_dp);
+      if constexpr (kNext) issue_sdp(nx, acc_s, acc_dp);
       sm90::wgmma_gemm<false, true>(mma_dkv, tVrP, tVrDot(_, _, _, stage), acc_dv);
       sm90::bar_sync(kBarDsReady, kConsumerThreads);  // every warpgroup's dS^T of step t
       if (t + 2 < steps) store_stat(t + 2, pending);  // ordered by iteration t + 1's barrier
@@ -643,7 +645,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       sm90::wgmma_gemm<false, true>(mma_dkv, tKrDs, tKrQt(_, _, _, stage), acc_dk);
       if constexpr (kNext) {
         // pending: S^T, dP^T (step t + 1), dV, dQ, dK (step t)
-        softmax_ds(Step(walk, t + 1), acc_s, acc_dp, Int<4>{}, Int<3>{});
+        softmax_ds(nx, acc_s, acc_dp, Int<4>{}, Int<3>{});
       }
       warpgroup_wait<1>();  // dV and dQ of step t are done: P^T's registers are free
       warpgroup_fence_operand(acc_dq);
@@ -658,7 +660,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       release_slot(at);
       if constexpr (kNext) {
         sm90::convert_into(acc_dp, rDs);
-        store_ds(Step(walk, t + 1), rDs);
+        store_ds(nx, rDs);
       }
     };
     for (int t = 0; t + 1 < steps; ++t) iteration(t, cute::true_type{});
