@@ -147,16 +147,34 @@ def recorded_for_backward(
     return _RecordedAttention.apply(q, k, v, out, lse, plan)
 
 
+def _unless_backward_takes_forward(
+    plan: Plan, native: tuple[Backend, Any, str], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[Backend, Any, str] | None:
+    """``native``, unless its backend's backward runs from another backend's forward for these
+    inputs (``backward_runner``): then None, so that the forward dispatch chose (faster than
+    the backward's own, by its records) runs in sparktune's autograd function and the backward
+    takes its output and log-sum-exp."""
+    b, _, config = native
+    if type(b).backward_runner is None:
+        return native
+    views = [bhnd(t, plan.layout) for t in (q, k, v)]
+    run = b.backward_runner(*views, config=config, causal=plan.causal, scale=plan.scale)
+    return native if run is None else None
+
+
 def train(
     plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """A call that needs gradients: the backward backend's own recorded forward when it has
-    one (see :func:`native_choice`), else sparktune's autograd function."""
+    one (see :func:`native_choice`) and cannot take the forward dispatch chose, else
+    sparktune's autograd function."""
     native = (
         None
         if return_lse
         else native_choice(plan.backend, plan.config, plan.problem, plan.device, plan.forced)
     )
+    if native is not None and not plan.forced and native[0] is not plan.backend:
+        native = _unless_backward_takes_forward(plan, native, q, k, v)
     if native is not None:
         native_backend, forward_autograd, native_config = native
         out = forward_autograd(

@@ -174,6 +174,36 @@ def grad_buffer(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` is non-overlapping and dense (its elements fill its storage span)."""
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape, strict=True) if n > 1)
+    expected = 1
+    for st, n in dims:
+        if st != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _with_grad_strides(g: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``g`` (a gradient a backend allocated) with the strides :func:`grad_buffer` gives for
+    input ``t`` (``t``'s own where it is non-overlapping and dense, contiguous otherwise),
+    copied only when they differ in a dimension longer than 1."""
+    if _dense(t):
+        want = t.stride()
+    else:  # contiguous
+        acc, rev = 1, []
+        for n in reversed(t.shape):
+            rev.append(acc)
+            acc *= max(n, 1)
+        want = tuple(reversed(rev))
+    if all(n <= 1 or a == b for a, b, n in zip(g.stride(), want, t.shape, strict=True)):
+        return g
+    out = grad_buffer(t)
+    out.copy_(g)
+    return out
+
+
 def run_backward(
     plan: Plan,
     dout: torch.Tensor,
@@ -188,11 +218,23 @@ def run_backward(
     ``kwargs``: the feature arguments the forward ran with (a call with features)."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    grads = [grad_buffer(t) for t in (q, k, v)]
-    views = [bhnd(t, plan.layout) for t in (dout, q, k, v, out, *grads)]
     if kwargs is not None and plan.features is not None and plan.features.deterministic:
         kwargs = {**kwargs, "deterministic": True}
     choice = backward_choice(plan)
+    if choice is not None and not kwargs and type(choice[0]).backward_runner is not None:
+        # a backward that takes the forward's out and lse as given, into its own tensors
+        b, config = choice
+        given = [bhnd(t, plan.layout) for t in (dout, q, k, v, out)]
+        run = b.backward_runner(*given[1:4], config=config, causal=plan.causal, scale=plan.scale)
+        got = None if run is None else run(*given, lse)
+        if got is not None:
+            dq, dk, dv = (
+                _with_grad_strides(in_layout(g, plan.layout), t)
+                for g, t in zip(got, (q, k, v), strict=True)
+            )
+            return dq, dk, dv
+    grads = [grad_buffer(t) for t in (q, k, v)]
+    views = [bhnd(t, plan.layout) for t in (dout, q, k, v, out, *grads)]
     if choice is not None:
         b, config = choice
         if b.has_backward:

@@ -131,7 +131,10 @@ def attention(
     with PyTorch's own autograd (``forward_autograd``: the ``torch`` backend), because it was
     forced or because dispatch chooses it for the backward problem, the forward runs there too
     (with the backward's config) and the backward is PyTorch's, from what that forward saved:
-    nothing is computed twice.
+    nothing is computed twice. Where that backward takes another backend's output and
+    log-sum-exp (``backward_runner``: cuDNN's and flash's backward ops) and dispatch gives the
+    forward to another backend, that forward runs, and the backward reads what it saved: a
+    training call pairs the fastest forward with the fastest backward.
 
     Under ``torch.compile`` (and ``torch.export``) the inputs are checked while tracing, and the
     call becomes the custom op ``sparktune::attention_fwd`` (:mod:`sparktune._ops`), whose

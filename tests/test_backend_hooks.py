@@ -1,5 +1,5 @@
-"""Backend capabilities are data on :class:`Backend`: the optional hooks (``forward_alloc``,
-``forward_autograd``, ``forward_runner``, ``warmup``) are declared there as None and documented
+"""Backend capabilities are data on :class:`Backend`: the optional hooks (``backward_runner``,
+``forward_alloc``, ``forward_autograd``, ``forward_runner``, ``warmup``) are declared there as None and documented
 in its docstring, ``has_backward`` says whether a backend differentiates, and
 ``runnable_reasons`` is the one answer to "can this backend run this problem". The built-in
 backends that offer a hook keep to its documented signature."""
@@ -18,6 +18,9 @@ from sparktune.problem import Problem
 
 
 # the documented signatures of the optional hooks (see Backend's docstring)
+def backward_runner(self, q, k, v, *, config, causal, scale): ...
+
+
 def forward_alloc(self, q, k, v, *, config, causal, scale, need_lse=True): ...
 
 
@@ -30,7 +33,7 @@ def forward_runner(self, q, k, v, out, *, config, causal, scale, need_lse=True):
 def warmup(self, problem, configs=None, *, processes=1): ...
 
 
-SIGNATURES = {f.__name__: f for f in (forward_alloc, forward_autograd, forward_runner, warmup)}
+SIGNATURES = {f.__name__: f for f in (backward_runner, forward_alloc, forward_autograd, forward_runner, warmup)}
 
 
 def _params(fn) -> list[tuple[str, object, bool]]:
@@ -61,6 +64,11 @@ def test_triton_backend_warmup_keeps_to_the_declared_signature():
 def test_forward_alloc_takes_what_forward_takes_but_out():
     fwd = [p for p in _params(Backend.forward) if p[0] != "out"]
     assert _params(forward_alloc) == fwd
+
+
+def test_torch_backend_backward_runner_keeps_to_the_declared_signature():
+    assert TorchSDPABackend.backward_runner is not None
+    assert _params(TorchSDPABackend.backward_runner) == _params(backward_runner)
 
 
 def test_torch_backend_forward_autograd_keeps_to_the_declared_signature():

@@ -7,7 +7,11 @@ import pytest
 import torch
 
 import sparktune
-from sparktune.backends.reference import reference_attention_backward
+from sparktune.backends.reference import (
+    ReferenceBackend,
+    reference_attention,
+    reference_attention_backward,
+)
 
 
 def _inputs(b=2, hq=4, hk=2, nq=37, nk=53, d=16, dtype=torch.float32, layout="bhnd"):
@@ -105,3 +109,94 @@ def test_backward_chosen_on_the_torch_backend_takes_the_forward_there_too(monkey
     picked["bwd"] = Candidate("reference", "float32")
     out = sparktune.attention(q, k, v, causal=True)
     assert any("_AttentionFunction" in n for n in _grad_fn_names(out))
+
+
+class _RunnerBackend(ReferenceBackend):
+    """A backend whose backward takes any forward's out and lse (``backward_runner``), with a
+    native forward as well: it records what reached it."""
+
+    name = "runner"
+
+    def __init__(self, takes: bool = True):
+        super().__init__()
+        self.takes = takes
+        self.forwards = 0
+        self.given: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def forward_autograd(self, q, k, v, *, config, causal, scale):
+        self.forwards += 1
+        out, _ = reference_attention(q, k, v, causal, scale, torch.float32)
+        return out.to(q.dtype)
+
+    def backward_runner(self, q, k, v, *, config, causal, scale):
+        if not self.takes:
+            return None
+
+        def run(dout, q, k, v, out, lse):
+            self.given.append((out, lse))
+            grads = reference_attention_backward(dout, q, k, v, causal, scale, torch.float32)
+            return tuple(g.to(q.dtype) for g in grads)
+
+        return run
+
+
+def _pick(monkeypatch, fwd, bwd):
+    from sparktune import dispatch
+
+    real_select = dispatch.select
+    picked = {"fwd": fwd, "bwd": bwd}
+
+    def select(problem, device=None, **kw):
+        if kw.get("backend") is None and problem.op in picked:
+            return dispatch.Selection(picked[problem.op], "tuned")
+        return real_select(problem, device, **kw)
+
+    monkeypatch.setattr(dispatch, "select", select)
+    dispatch.invalidate_selections()  # the calls' plans made before are forgotten
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_a_backward_that_takes_any_forward_pairs_with_the_forward_dispatch_chose(monkeypatch, layout):
+    """Dispatch picks the reference backend for the forward and a backend whose backward reads
+    any forward's out and lse for the backward: the forward runs on the reference backend (not
+    the backward's native forward), and the backward gets that forward's out and lse."""
+    from sparktune import registry
+    from sparktune.backends.base import Candidate
+
+    runner = _RunnerBackend()
+    registry.register_backend(runner, replace=True)
+    try:
+        _pick(monkeypatch, Candidate("reference", "float32"), Candidate("runner", "float32"))
+        q, k, v = (t.detach().half().requires_grad_() for t in _inputs(layout=layout))
+        out = sparktune.attention(q, k, v, causal=True, layout=layout)
+        assert any("_AttentionFunction" in n for n in _grad_fn_names(out))
+        assert runner.forwards == 0
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        assert len(runner.given) == 1
+        given_out, given_lse = runner.given[0]
+        to_bhnd = (lambda t: t) if layout == "bhnd" else (lambda t: t.transpose(1, 2))
+        assert torch.equal(given_out, to_bhnd(out)) and given_lse.shape == (2, 4, 37)
+        ref = reference_attention_backward(
+            *(to_bhnd(t.detach().double()) for t in (dout, q, k, v)), causal=True,
+            scale=q.shape[-1] ** -0.5,
+        )
+        for g, t, r, name in zip(grads, (q, k, v), ref, ("dq", "dk", "dv"), strict=True):
+            assert g.shape == t.shape and g.dtype == t.dtype
+            err = (to_bhnd(g).double() - r).abs().max().item()
+            assert err < 2e-2, f"{name}: max error {err}"
+
+        # a runner that turns these inputs down: the backward's own native forward, as before
+        runner.takes = False
+        out = sparktune.attention(q, k, v, causal=True, layout=layout)
+        assert not any("_AttentionFunction" in n for n in _grad_fn_names(out))
+        assert runner.forwards == 1
+
+        # the forward on the same backend as the backward: its native path
+        runner.takes = True
+        _pick(monkeypatch, Candidate("runner", "float32"), Candidate("runner", "float32"))
+        out = sparktune.attention(q, k, v, causal=True, layout=layout)
+        assert not any("_AttentionFunction" in n for n in _grad_fn_names(out))
+        assert runner.forwards == 2
+    finally:
+        registry.unregister_backend("runner")

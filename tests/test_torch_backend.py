@@ -10,6 +10,7 @@ import torch
 
 import sparktune
 import sparktune.backends.torch_sdpa as tsdpa
+from sparktune.backends.reference import reference_attention
 from sparktune.backends.torch_sdpa import CONFIGS, TorchSDPABackend
 from sparktune.problem import DeviceInfo, Problem
 from tests._oracle import assert_close_to_reference, assert_grads_close_to_reference
@@ -201,3 +202,113 @@ def test_default_dispatch_on_gpu(dtype, causal):
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     assert_grads_close_to_reference(grads, q, k, v, dout, causal=causal, what="default dispatch")
+
+
+# -- the backward from another backend's forward (GPU) ---------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", tsdpa.RUNNER_BACKWARD_CONFIGS)
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 4, 2, 33, 33, 64), (1, 2, 1, 113, 203, 128), (1, 2, 2, 203, 113, 64),
+     (2, 3, 3, 1000, 1000, 128), (1, 4, 4, 4097, 4097, 64), (1, 8, 2, 1, 17, 128)],
+    ids=str,
+)  # fmt: skip
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_backward_runner_takes_another_forwards_output_and_lse(config, dtype, shape, causal, layout):
+    """cuDNN's and flash's backward ops (and SDPA's own choice where it is one of them) run
+    from an output and a log-sum-exp that another implementation computed (here the float32
+    reference), on odd shapes, GQA and (B, N, H, D) views; gradients obey the 2x rule against
+    float64, and the backend's ``backward`` writes the same bits into its buffers."""
+    _skip_unless_supported("bwd", dtype, shape, causal, config)
+    b, hq, hk, nq, nk, d = shape
+
+    def make(h, n):  # (B, H, N, D) views, of (B, N, H, D) storage for "bnhd"
+        if layout == "bnhd":
+            return torch.randn(b, n, h, d, dtype=dtype, device="cuda").transpose(1, 2)
+        return torch.randn(b, h, n, d, dtype=dtype, device="cuda")
+
+    q, k, v = make(hq, nq), make(hk, nk), make(hk, nk)
+    scale = 1.3 / math.sqrt(d)
+    backend = TorchSDPABackend()
+    run = backend.backward_runner(q, k, v, config=config, causal=causal, scale=scale)
+    kernel = tsdpa._auto_kernel(q, k, v, causal, scale) if config == "auto" else config
+    expected = (
+        kernel in ("cudnn", "flash")
+        and not (causal and nq != nk)
+        and tsdpa._borrowable(kernel, q, k, causal, op="bwd")
+    )
+    if not expected:
+        assert run is None
+        pytest.skip(f"torch:{config} ({kernel}) recomputes its forward for {shape}")
+    assert run is not None
+    out, lse = reference_attention(q, k, v, causal, scale, torch.float32)
+    out = out.to(dtype)
+    dout = torch.randn_like(out)
+    grads = run(dout, q, k, v, out, lse)
+    assert grads is not None
+    for g, t in zip(grads, (q, k, v), strict=True):
+        assert g.shape == t.shape and g.dtype == dtype
+    assert_grads_close_to_reference(grads, q, k, v, dout, causal=causal, scale=scale, what=f"torch:{config} runner")
+    buffers = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    backend.backward(dout, q, k, v, out, lse, *buffers, config=config, causal=causal, scale=scale)
+    assert_grads_close_to_reference(
+        tuple(buffers), q, k, v, dout, causal=causal, scale=scale, what=f"torch:{config} backward"
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_training_call_pairs_another_forward_with_the_cudnn_backward(monkeypatch, layout):
+    """Dispatch gives the forward to another backend (Triton's when it runs, else the
+    reference) and the backward to torch:cudnn: the call runs that forward and cuDNN's backward
+    from its output and log-sum-exp, with gradients right."""
+    from sparktune import dispatch, registry
+    from sparktune.backends.base import Candidate
+
+    shape = (2, 4, 4, 1000, 1000, 128)
+    _skip_unless_supported("bwd", torch.bfloat16, shape, True, "cudnn")
+    fwd = Candidate("reference", "float32")
+    try:
+        triton_backend = registry.get_backend("triton")
+        p = Problem("fwd", "bfloat16", 2, 4, 4, 1000, 1000, 128, True)
+        cfg = triton_backend.default_config(p, DeviceInfo.from_torch())
+        if cfg is not None and not triton_backend.runnable_reasons(p, cfg, DeviceInfo.from_torch()):
+            fwd = Candidate("triton", cfg)
+    except Exception:  # noqa: BLE001 - the reference forward serves
+        pass
+    real_select = dispatch.select
+    picked = {"fwd": fwd, "bwd": Candidate("torch", "cudnn")}
+
+    def select(problem, device=None, **kw):
+        if kw.get("backend") is None and problem.op in picked:
+            return dispatch.Selection(picked[problem.op], "tuned")
+        return real_select(problem, device, **kw)
+
+    monkeypatch.setattr(dispatch, "select", select)
+    dispatch.invalidate_selections()
+    calls = []
+    real_op = tsdpa._backward_op
+
+    def spy(config, *args):
+        run = real_op(config, *args)
+        calls.append((config, run is not None))
+        return run
+
+    monkeypatch.setattr(tsdpa, "_backward_op", spy)
+    b, hq, hk, n, _, d = shape
+    dims = (b, n, "h", d) if layout == "bnhd" else (b, "h", n, d)
+    q, k, v = (
+        torch.randn([h if x == "h" else x for x in dims], dtype=torch.bfloat16, device="cuda").requires_grad_()
+        for h in (hq, hk, hk)
+    )
+    out = sparktune.attention(q, k, v, causal=True, layout=layout)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    dispatch.invalidate_selections()
+    assert calls and all(c == ("cudnn", True) for c in calls), calls
+    views = [t.transpose(1, 2) if layout == "bnhd" else t for t in (*grads, q, k, v, dout)]
+    assert_grads_close_to_reference(tuple(views[:3]), *views[3:], causal=True, what=f"{fwd.label} + cudnn")

@@ -17,7 +17,7 @@ __all__ = ["OPTIONAL_HOOKS", "Backend", "Candidate"]
 #: methods a backend may define beyond :class:`Backend`'s required ones; :class:`Backend`
 #: declares each as a class attribute that is None, so ``type(backend).<hook> is None`` means
 #: "not offered"
-OPTIONAL_HOOKS = ("forward_alloc", "forward_autograd", "forward_runner", "warmup")
+OPTIONAL_HOOKS = ("backward_runner", "forward_alloc", "forward_autograd", "forward_runner", "warmup")
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,16 @@ class Backend(ABC):
         :meth:`forward`'s output bit for bit (else :meth:`forward` stays). None: not for
         these inputs.
 
+    ``backward_runner(q, k, v, *, config, causal, scale) -> run``
+        The backward of ``config`` for inputs like ``q``, ``k`` and ``v`` (shapes, strides,
+        dtype, device), taking the forward's output and log-sum-exp as given, whichever
+        backend computed them: ``run(dout, q, k, v, out, lse) -> (dq, dk, dv)`` in the
+        backend's own new tensors ((B, H, N, D) shapes; any strides), or None from ``run``
+        for tensors it turns down after all (then :meth:`backward` runs). The hook returns
+        None where the config cannot do that for such inputs. A training call whose backward
+        dispatch gives to such a config, and whose forward dispatch gives to another backend,
+        runs that faster forward and this backward (``forward_autograd`` is then not used).
+
     Attention features (docs/FEATURES.md): a backend that declares some in :attr:`features`
     receives them as keyword arguments of :meth:`forward` and :meth:`backward`, only those
     that are on (``window``, ``softcap``, ``alibi_slopes``, ``dropout_p`` with ``seed`` and
@@ -103,6 +113,7 @@ class Backend(ABC):
     features: ClassVar[frozenset[str]] = frozenset()
 
     # the optional hooks (documented above): None here means "not offered"
+    backward_runner: ClassVar[Any] = None
     forward_alloc: ClassVar[Any] = None
     forward_autograd: ClassVar[Any] = None
     forward_runner: ClassVar[Any] = None

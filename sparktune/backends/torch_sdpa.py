@@ -27,7 +27,11 @@ Semantics that differ from sparktune's and how they are bridged:
   is
   computed separately in float32 by :func:`~sparktune.backends.reference.reference_lse`
   (an extra pass over Q·K^T). With ``need_lse=False`` none of this is done.
-- Backward recomputes the forward with the same SDPA backend under autograd.
+- Backward: "cudnn" and "flash" (and "auto" where SDPA's own choice is one of them) call the
+  kernel's private backward op with the forward's output and log-sum-exp as given, whichever
+  backend computed them (:meth:`TorchSDPABackend.backward_runner`; not for causal with
+  seqlen_q != seqlen_k); everything else recomputes the forward
+  with the same SDPA backend under autograd.
 
 Attention features (docs/FEATURES.md): "auto" and "math" take windows and ALiBi as a
 materialised additive float mask ((Nq, Nk), or (B, Hq, Nq, Nk) with ALiBi; rows that see no
@@ -398,14 +402,15 @@ def _arch(index: int) -> int:
     return major * 10 + minor
 
 
-def _borrowable(config: str, q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
+def _borrowable(config: str, q: torch.Tensor, k: torch.Tensor, causal: bool, op: str = "fwd") -> bool:
     """Whether "auto" may take its log-sum-exp from ``config``'s private op for these CUDA
-    tensors: the config's own rules (:func:`_reasons`) for their problem."""
+    tensors (``op`` "bwd": whether its backward op may run them): the config's own rules
+    (:func:`_reasons`) for their problem."""
     b, hq, nq, d = q.shape
     dtype = DTYPE_NAMES.get(q.dtype)
     if dtype is None:
         return False
-    problem = Problem("fwd", dtype, b, hq, k.shape[1], nq, k.shape[2], d, bool(causal))
+    problem = Problem(op, dtype, b, hq, k.shape[1], nq, k.shape[2], d, bool(causal))
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     device = DeviceInfo("cuda", divmod(_arch(index), 10), 1)
     return not _reasons(problem, config, device)
@@ -426,6 +431,87 @@ def _auto_op(group: int, causal: bool, scale: float, need_lse: bool, general: An
         if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & misaligned:
             return general(q, k, v)
         return sdpa(q, k, v, **kwargs), None
+
+    return run
+
+
+#: torch._fused_sdp_choice's numbers (SDPBackend's order: math 0, flash 1, efficient 2, cudnn 3)
+#: for the kernels whose private backward op runs from an output and a log-sum-exp computed
+#: elsewhere
+_CHOICE_CONFIGS = {1: "flash", 3: "cudnn"}
+#: the configs whose backward runs from any backend's forward (:meth:`backward_runner`):
+#: "auto" where SDPA's own choice for the call is one of the other two
+RUNNER_BACKWARD_CONFIGS = ("cudnn", "flash", AUTO)
+
+
+def _auto_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> str | None:
+    """The config of the kernel SDPA's own choice runs on these CUDA tensors ("flash" or
+    "cudnn"), or None for any other (or where this torch cannot say)."""
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    if choose is None:
+        return None
+    kwargs: dict[str, Any] = {"is_causal": bool(causal), "scale": float(scale)}
+    if q.shape[1] != k.shape[1]:
+        if _torch_version() < GQA_MIN_TORCH:
+            return None
+        kwargs["enable_gqa"] = True
+    try:
+        number = int(choose(q, k, v, None, 0.0, **kwargs))
+    except Exception:  # noqa: BLE001 - a torch that cannot say keeps the general backward
+        return None
+    return _CHOICE_CONFIGS.get(number)
+
+
+def _backward_op(
+    config: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> Any:
+    """``run(dout, q, k, v, out, lse) -> (dq, dk, dv)``: the private backward op of
+    ``config`` ("cudnn", "flash"; "auto" where it resolves to one of them) called with the
+    given forward's output and (B, Hq, Nq) float32 log-sum-exp, no second forward, for
+    tensors like these; None where it does not apply (another config, no such op, causal with
+    seqlen_q != seqlen_k, misaligned strides, the config's own rules). Both ops read grouped
+    K/V as they are (GQA, MQA) and return dK and dV summed over each group.
+    """
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    nq, nk = q.shape[2], k.shape[2]
+    if (causal and nq != nk) or not _strides_aligned(q, k, v):
+        return None
+    if config == AUTO:
+        config = _auto_kernel(q, k, v, causal, scale) or ""
+    if config not in ("cudnn", "flash"):
+        return None
+    if not _borrowable(config, q, k, causal, op="bwd"):
+        return None
+    name = {"cudnn": "_scaled_dot_product_cudnn_attention_backward",
+            "flash": "_scaled_dot_product_flash_attention_backward"}[config]  # fmt: skip
+    op = getattr(torch.ops.aten, name, None)
+    if op is None:
+        return None
+    causal, scale = bool(causal), float(scale)
+    misaligned = _ALIGN_BYTES - 1
+    # dropout is off: the philox state is never read, but the ops take tensors
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+
+    def aligned(*ts: torch.Tensor) -> bool:
+        return not any(t.data_ptr() & misaligned for t in ts) and _strides_aligned(*ts)
+
+    if config == "cudnn":
+
+        def run(dout, q, k, v, out, lse):  # type: ignore[no-untyped-def]
+            if not aligned(dout, q, k, v, out):
+                return None
+            stats = lse.float().contiguous().unsqueeze(-1)  # cuDNN's (B, H, N, 1) statistics
+            return op(dout, q, k, v, out, stats, seed, seed, None, None, None, nq, nk, 0.0,
+                      causal, scale=scale)  # fmt: skip
+
+    else:
+
+        def run(dout, q, k, v, out, lse):  # type: ignore[no-untyped-def]
+            if not aligned(dout, q, k, v, out):
+                return None
+            return op(dout, q, k, v, out, lse.float().contiguous(), None, None, nq, nk, 0.0,
+                      causal, seed, seed, scale=scale)  # fmt: skip
 
     return run
 
@@ -660,6 +746,26 @@ class TorchSDPABackend(Backend):
             o = o * keep[:, None].to(o.dtype)
         return o
 
+    def backward_runner(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        config: str,
+        causal: bool,
+        scale: float,
+    ) -> Any:
+        """``run(dout, q, k, v, out, lse) -> (dq, dk, dv)`` from any backend's forward, for
+        inputs like these: cuDNN's and flash's private backward ops take the output and the
+        log-sum-exp as given ("auto" where SDPA's own choice is one of them), so a training
+        call can run another backend's faster forward and this backward with nothing
+        computed twice. None for other configs and inputs (:func:`_backward_op`)."""
+        self._check_config(config)
+        if config not in RUNNER_BACKWARD_CONFIGS:
+            return None
+        return _backward_op(config, q, k, v, causal, scale)
+
     def _run(
         self,
         config: str,
@@ -717,6 +823,13 @@ class TorchSDPABackend(Backend):
         **features: Any,
     ) -> None:
         self._check_config(config)
+        if not features and config in RUNNER_BACKWARD_CONFIGS:
+            run = _backward_op(config, q, k, v, causal, scale)
+            grads = None if run is None else run(dout, q, k, v, out, lse)
+            if grads is not None:
+                for dst, src in zip((dq, dk, dv), grads, strict=True):
+                    dst.copy_(src)
+                return
         if features or config == FLEX:
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
             with torch.enable_grad():
