@@ -37,9 +37,14 @@ def in_layout(out: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def new_output(q: torch.Tensor) -> torch.Tensor:
-    """An uninitialised contiguous tensor of q's shape, dtype and device."""
-    if type(q) is torch.Tensor:  # the same tensor as below, with less argument parsing
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    """An uninitialised tensor of q's shape, dtype and device, with q's strides where q is
+    non-overlapping and dense (a permuted view, such as the (B, H, N, D) transpose of a
+    (B, N, H, D) projection that transformers passes, gets an output of the same permutation,
+    as cuDNN's SDPA gives it: transposing it back costs no copy), contiguous otherwise."""
+    if type(q) is torch.Tensor:  # the same tensors as below, with less argument parsing
+        if q.is_contiguous() or not _dense(q):
+            return torch.empty_like(q, memory_format=torch.contiguous_format)
+        return torch.empty_like(q)  # preserves a dense tensor's strides
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 

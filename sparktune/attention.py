@@ -103,10 +103,12 @@ def attention(
         never chosen for a call that uses it (a forced one raises and says why).
 
     Returns:
-        ``out`` with q's layout, shape and dtype, a new tensor contiguous in that layout
-        (except that with ``"bhnd"``, PyTorch's SDPA backends return SDPA's own output, as
+        ``out`` with q's layout, shape and dtype, a new tensor with q's strides where q is
+        non-overlapping and dense (a permuted view gets an output of the same permutation, as
+        cuDNN's SDPA gives it) and contiguous in that layout otherwise (except that with
+        ``"bhnd"``, PyTorch's SDPA backends return SDPA's own output, as
         F.scaled_dot_product_attention does: dense, (B, N, H, D) in memory for flash), or
-        ``(out, lse)``.
+        ``(out, lse)``. Under ``torch.compile`` the output is contiguous in the layout.
 
     Inputs must be float16 or bfloat16 on every device: the problem key, the kernels and the
     tuning store know only these (float32 attention is available from
