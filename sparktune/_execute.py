@@ -195,14 +195,10 @@ def _with_grad_strides(g: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     input ``t`` (``t``'s own where it is non-overlapping and dense, contiguous otherwise),
     copied only when they differ in a dimension longer than 1."""
     if _dense(t):
-        want = t.stride()
-    else:  # contiguous
-        acc, rev = 1, []
-        for n in reversed(t.shape):
-            rev.append(acc)
-            acc *= max(n, 1)
-        want = tuple(reversed(rev))
-    if all(n <= 1 or a == b for a, b, n in zip(g.stride(), want, t.shape, strict=True)):
+        same = all(n <= 1 or a == b for a, b, n in zip(g.stride(), t.stride(), t.shape, strict=True))
+    else:
+        same = g.is_contiguous()  # (which ignores the strides of dimensions of size 1)
+    if same:
         return g
     out = grad_buffer(t)
     out.copy_(g)

@@ -823,8 +823,8 @@ class TorchSDPABackend(Backend):
         **features: Any,
     ) -> None:
         self._check_config(config)
-        if not features and config in RUNNER_BACKWARD_CONFIGS:
-            run = _backward_op(config, q, k, v, causal, scale)
+        if not features:
+            run = self.backward_runner(q, k, v, config=config, causal=causal, scale=scale)
             grads = None if run is None else run(dout, q, k, v, out, lse)
             if grads is not None:
                 for dst, src in zip((dq, dk, dv), grads, strict=True):
