@@ -207,6 +207,49 @@ def test_default_dispatch_on_gpu(dtype, causal):
 # -- the backward from another backend's forward (GPU) ---------------------------------------
 
 
+def test_backward_runner_is_made_once_per_signature(monkeypatch):
+    """A training step asks for the runner in its forward and again in its backward: it is made
+    once for the same config, shapes, strides, mask and scale (and, for "auto", the same SDPA
+    switches and grad mode), again when any of them differs."""
+    made = []
+
+    def fake(config, q, k, v, causal, scale):
+        made.append((config, q.stride(), causal, scale))
+        return ("run", len(made))
+
+    monkeypatch.setattr(tsdpa, "_backward_op", fake)
+    monkeypatch.setattr(tsdpa, "_RUNNERS", {})
+    backend = TorchSDPABackend()
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+
+    def ask(config="cudnn", q=q, causal=False, scale=0.25):
+        return backend.backward_runner(q, k, v, config=config, causal=causal, scale=scale)
+
+    first = ask()
+    assert ask() is first and ask(q=q.clone()) is first and len(made) == 1
+    assert ask(causal=True) is not first and ask(scale=0.5) is not first and len(made) == 3
+    permuted = torch.randn(1, 8, 2, 16).transpose(1, 2)  # the same shape, other strides
+    assert ask(q=permuted) is not first and len(made) == 4
+    auto = ask("auto")
+    assert ask("auto") is auto and len(made) == 5
+    with torch.no_grad():  # SDPA's own choice may read grad mode
+        assert ask("auto") is not auto
+        assert ask("cudnn") is first  # a forced kernel does not
+    flash_on = torch.backends.cuda.flash_sdp_enabled()
+    torch.backends.cuda.enable_flash_sdp(not flash_on)
+    try:
+        assert ask("auto") is not auto and len(made) == 7
+    finally:
+        torch.backends.cuda.enable_flash_sdp(flash_on)
+    assert ask("auto") is auto
+    assert ask("efficient") is None and len(made) == 7  # not a runner config: never made
+    monkeypatch.setattr(tsdpa, "_RUNNERS_MAX", 2)
+    monkeypatch.setattr(tsdpa, "_RUNNERS", {})
+    for s in (0.1, 0.2, 0.3):
+        ask(scale=s)
+    assert len(tsdpa._RUNNERS) <= 2  # bounded: it starts again when full
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", tsdpa.RUNNER_BACKWARD_CONFIGS)
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
@@ -299,6 +342,7 @@ def test_training_call_pairs_another_forward_with_the_cudnn_backward(monkeypatch
         return run
 
     monkeypatch.setattr(tsdpa, "_backward_op", spy)
+    monkeypatch.setattr(tsdpa, "_RUNNERS", {})  # none made by the tests before
     b, hq, hk, n, _, d = shape
     dims = (b, n, "h", d) if layout == "bnhd" else (b, "h", n, d)
     q, k, v = (

@@ -462,6 +462,70 @@ def _auto_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     return _CHOICE_CONFIGS.get(number)
 
 
+#: :func:`_backward_op`'s runs by what they depend on (:func:`_runner_key`): a training step
+#: asks for one in the forward (whether to pair) and again in the backward
+_RUNNERS: dict[tuple, Any] = {}
+#: entries kept before :data:`_RUNNERS` starts again (a model has few distinct signatures)
+_RUNNERS_MAX = 256
+
+
+#: torch's getters of the global state SDPA's own choice reads besides the tensors: its
+#: backend switches (which ``sdpa_kernel`` flips) and their priority order (where this torch
+#: has them), the deterministic-algorithms setting and grad mode
+_SDP_STATE = tuple(
+    getter
+    for getter in (
+        *(
+            getattr(torch._C, f"_get_{name}", None)
+            for name in ("flash_sdp_enabled", "cudnn_sdp_enabled", "mem_efficient_sdp_enabled",
+                         "math_sdp_enabled", "fa3_sdp_enabled", "sdp_priority_order")
+        ),  # fmt: skip
+        torch.are_deterministic_algorithms_enabled,
+        torch.is_grad_enabled,
+    )
+    if getter is not None
+)
+
+
+def _sdp_flags() -> tuple[Any, ...]:
+    """The global state SDPA's own choice reads (:data:`_SDP_STATE`), as it is now."""
+    return tuple(
+        tuple(state) if isinstance(state, list) else state
+        for state in (getter() for getter in _SDP_STATE)
+    )
+
+
+def _runner_key(
+    config: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple:
+    """Everything :func:`_backward_op` decides from (not the data pointers, which its run
+    checks per call): shapes, strides, dtype, device, whether gradients are asked for, the
+    mask and scale, and (for "auto") SDPA's switches."""
+    return (
+        config, q.dtype, q.device, bool(causal), float(scale),
+        q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
+        q.requires_grad, k.requires_grad, v.requires_grad,
+        _sdp_flags() if config == AUTO else None,
+    )  # fmt: skip
+
+
+def _cached_backward_op(
+    config: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> Any:
+    """:func:`_backward_op`, made once per :func:`_runner_key` (its checks, SDPA's choice for
+    "auto" and the seed tensor cost more host time than the backward's launch)."""
+    key = _runner_key(config, q, k, v, causal, scale)
+    try:
+        return _RUNNERS[key]
+    except KeyError:
+        pass
+    run = _backward_op(config, q, k, v, causal, scale)
+    if len(_RUNNERS) >= _RUNNERS_MAX:
+        _RUNNERS.clear()
+    _RUNNERS[key] = run
+    return run
+
+
 def _backward_op(
     config: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> Any:
@@ -764,7 +828,7 @@ class TorchSDPABackend(Backend):
         self._check_config(config)
         if config not in RUNNER_BACKWARD_CONFIGS:
             return None
-        return _backward_op(config, q, k, v, causal, scale)
+        return _cached_backward_op(config, q, k, v, causal, scale)
 
     def _run(
         self,
