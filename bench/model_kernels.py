@@ -3,6 +3,7 @@ transformers' sdpa (same weights and inputs), from torch.profiler: each kernel's
 total time per implementation, the differences first, and the whole step's GPU and host time.
 
     python bench/model_kernels.py --preset llama --mode prefill --seqlen 2048
+    python bench/model_kernels.py --preset llama --mode train --seqlen 1024 --batch 4
 """
 
 from __future__ import annotations
@@ -43,17 +44,18 @@ def main() -> int:
     ap.add_argument("--preset", default="llama", choices=sorted(PRESETS))
     ap.add_argument("--mode", default="prefill", choices=("train", "prefill"))
     ap.add_argument("--seqlen", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
     model = _build(PRESETS[args.preset], args.seqlen, torch.bfloat16, torch.device("cuda"))
-    ids = torch.randint(3, PRESETS[args.preset].vocab, (1, args.seqlen), device="cuda")
+    ids = torch.randint(3, PRESETS[args.preset].vocab, (args.batch, args.seqlen), device="cuda")
     step = _step_fn(model, args.mode, ids)
     found = {}
     for impl in ("sdpa", "sparktune", "sdpa", "sparktune"):
         model.set_attn_implementation(impl)
         found[impl] = kernels(step, args.steps)
     (a, a_host), (b, b_host) = found["sdpa"], found["sparktune"]
-    print(f"{args.preset} {args.mode} {args.seqlen}: GPU us/step sdpa {sum(r[1] for r in a.values()):.0f}, "
+    print(f"{args.preset} {args.mode} {args.batch}x{args.seqlen}: GPU us/step sdpa {sum(r[1] for r in a.values()):.0f}, "
           f"sparktune {sum(r[1] for r in b.values()):.0f}; host ms/step {a_host:.2f} / {b_host:.2f}")
     names = sorted(set(a) | set(b), key=lambda n: -abs(b.get(n, [0, 0])[1] - a.get(n, [0, 0])[1]))
     print(f"{'kernel':<90} {'n sdpa':>7} {'n st':>7} {'us sdpa':>9} {'us st':>9}")
