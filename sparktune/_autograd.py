@@ -18,6 +18,53 @@ from .problem import DeviceInfo, Problem
 __all__ = ["FeatureAttention", "native_choice", "recorded_for_backward", "train"]
 
 
+#: id of a Plan -> (that Plan, dispatch's generation, its :func:`native_choice`, whether its
+#: forward is long enough to pair): what a training call on a dispatch hit decides once
+_natives: dict[int, tuple[Plan, int, Any, bool]] = {}
+_NATIVES_MAX = 1024
+#: a forward dispatch chose over the backward backend's own runs paired with that backward
+#: (:func:`_unless_backward_takes_forward`) only when its record says it takes at least this
+#: long (milliseconds; a nearest record's time scaled by the FLOPs ratio). A paired call costs
+#: about twice the host time of SDPA's own pair (Python in its backward: on the H200 about
+#: 0.55-0.6 ms against 0.2-0.3 ms a call), which a call that is short on the GPU pays in full
+#: where a training step is bound by the host; from here the forward and backward take about
+#: three times that on the GPU, and the paired forward's saving is no longer lost in it
+PAIR_MIN_FORWARD_MS = 0.5
+
+
+def _forward_ms(plan: Plan) -> float | None:
+    """The forward's time for the plan's problem as its dispatch record says (a nearest
+    record's time scaled by the FLOPs ratio); None without a record."""
+    try:
+        selection = dispatch.select(plan.problem, plan.device)
+    except dispatch.NoKernelError:
+        return None
+    record = selection.record
+    if record is None or record.median_ms is None:
+        return None
+    flops = record.problem.flops()
+    scale = plan.problem.flops() / flops if flops > 0 else 1.0
+    return float(record.median_ms) * scale
+
+
+def _training_choice(plan: Plan) -> tuple[Any, bool]:
+    """(:func:`native_choice` for the plan, whether its forward may pair with another
+    backend's backward), worked out once per plan and dispatch generation."""
+    memo = _natives.get(id(plan))
+    if memo is not None and memo[0] is plan and memo[1] == dispatch.generation:
+        return memo[2], memo[3]
+    generation = dispatch.generation
+    native = native_choice(plan.backend, plan.config, plan.problem, plan.device, plan.forced)
+    pair = False
+    if native is not None and not plan.forced and native[0] is not plan.backend:
+        ms = _forward_ms(plan)
+        pair = ms >= PAIR_MIN_FORWARD_MS if ms is not None else PAIR_MIN_FORWARD_MS <= 0
+    if len(_natives) >= _NATIVES_MAX:
+        _natives.clear()
+    _natives[id(plan)] = (plan, generation, native, pair)
+    return native, pair
+
+
 def native_choice(
     backend: Backend, config: str, problem: Problem, device: DeviceInfo | None, forced: bool
 ) -> tuple[Backend, Any, str] | None:
@@ -39,9 +86,12 @@ def native_choice(
     return (b, native, chosen.config) if native is not None else None
 
 
-def _gradients(ctx: Any, dout: torch.Tensor, others: int) -> tuple[torch.Tensor | None, ...]:
+def _gradients(ctx: Any, dout: torch.Tensor | None, others: int) -> tuple[torch.Tensor | None, ...]:
     """The backward of sparktune's autograd functions (q, k, v, out and lse saved, the plan in
-    ``ctx.plan``): dq, dk and dv where asked for, then None for the ``others`` inputs."""
+    ``ctx.plan``): dq, dk and dv where asked for, then None for the ``others`` inputs. ``dout``
+    None (gradients are not materialised): the output took no part in what is differentiated."""
+    if dout is None:
+        return (None,) * (3 + others)
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = run_backward(ctx.plan, dout, q, k, v, out, lse)
     need = ctx.needs_input_grad
@@ -60,6 +110,7 @@ class _AttentionFunction(torch.autograd.Function):
         ctx.plan = plan
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zeros made for the log-sum-exp's gradient
         return out, lse
 
     @staticmethod
@@ -166,15 +217,14 @@ def train(
     plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """A call that needs gradients: the backward backend's own recorded forward when it has
-    one (see :func:`native_choice`) and cannot take the forward dispatch chose, else
+    one (see :func:`native_choice`), unless that backward takes the forward dispatch chose and
+    that forward is long enough to pay for the pairing (:data:`PAIR_MIN_FORWARD_MS`); else
     sparktune's autograd function."""
-    native = (
-        None
-        if return_lse
-        else native_choice(plan.backend, plan.config, plan.problem, plan.device, plan.forced)
-    )
-    if native is not None and not plan.forced and native[0] is not plan.backend:
-        native = _unless_backward_takes_forward(plan, native, q, k, v)
+    native = None
+    if not return_lse:
+        native, pair = _training_choice(plan)
+        if pair:
+            native = _unless_backward_takes_forward(plan, native, q, k, v)
     if native is not None:
         native_backend, forward_autograd, native_config = native
         out = forward_autograd(

@@ -3,6 +3,7 @@ backend dispatch chooses for it (the float32 reference math where none has one).
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -143,10 +144,28 @@ def run_forward(
     )
 
 
+#: id of a Plan -> (that Plan, dispatch's generation, its :func:`backward_choice`)
+_backward_choices: dict[int, tuple[Plan, int, tuple[Backend, str] | None]] = {}
+_BACKWARD_CHOICES_MAX = 1024
+
+
 def backward_choice(plan: Plan) -> tuple[Backend, str] | None:
     """The backend and config for the backward: chosen by dispatch for the "bwd" problem
     (the user's forced backend, and its forward config where it offers it for "bwd", when
-    one was forced); None when none can run it."""
+    one was forced); None when none can run it. Worked out once per plan and dispatch
+    generation (a training step's backward on a dispatch hit asks for it again)."""
+    memo = _backward_choices.get(id(plan))
+    if memo is not None and memo[0] is plan and memo[1] == dispatch.generation:
+        return memo[2]
+    generation = dispatch.generation
+    choice = _backward_choice(plan)
+    if len(_backward_choices) >= _BACKWARD_CHOICES_MAX:
+        _backward_choices.clear()
+    _backward_choices[id(plan)] = (plan, generation, choice)
+    return choice
+
+
+def _backward_choice(plan: Plan) -> tuple[Backend, str] | None:
     features = plan.features
     problem = backward_problem(plan.problem, features is not None and features.deterministic)
     try:
@@ -181,7 +200,12 @@ def grad_buffer(t: torch.Tensor) -> torch.Tensor:
 
 def _dense(t: torch.Tensor) -> bool:
     """Whether ``t`` is non-overlapping and dense (its elements fill its storage span)."""
-    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape, strict=True) if n > 1)
+    return _dense_layout(t.stride(), t.shape)
+
+
+@functools.lru_cache(maxsize=1024)
+def _dense_layout(strides: tuple[int, ...], shape: torch.Size) -> bool:
+    dims = sorted((st, n) for st, n in zip(strides, shape, strict=True) if n > 1)
     expected = 1
     for st, n in dims:
         if st != expected:
@@ -194,8 +218,11 @@ def _with_grad_strides(g: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``g`` (a gradient a backend allocated) with the strides :func:`grad_buffer` gives for
     input ``t`` (``t``'s own where it is non-overlapping and dense, contiguous otherwise),
     copied only when they differ in a dimension longer than 1."""
-    if _dense(t):
-        same = all(n <= 1 or a == b for a, b, n in zip(g.stride(), t.stride(), t.shape, strict=True))
+    gs, ts = g.stride(), t.stride()
+    if _dense_layout(ts, t.shape):
+        if gs == ts:
+            return g
+        same = all(n <= 1 or a == b for a, b, n in zip(gs, ts, t.shape, strict=True))
     else:
         same = g.is_contiguous()  # (which ignores the strides of dimensions of size 1)
     if same:

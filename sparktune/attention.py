@@ -135,8 +135,10 @@ def attention(
     (with the backward's config) and the backward is PyTorch's, from what that forward saved:
     nothing is computed twice. Where that backward takes another backend's output and
     log-sum-exp (``backward_runner``: cuDNN's and flash's backward ops) and dispatch gives the
-    forward to another backend, that forward runs, and the backward reads what it saved: a
-    training call pairs the fastest forward with the fastest backward.
+    forward to another backend whose record takes at least 0.5 ms
+    (``sparktune._autograd.PAIR_MIN_FORWARD_MS``: shorter ones do not win back the paired
+    call's host time), that forward runs, and the backward reads what it saved: a training
+    call pairs the fastest forward with the fastest backward.
 
     Under ``torch.compile`` (and ``torch.export``) the inputs are checked while tracing, and the
     call becomes the custom op ``sparktune::attention_fwd`` (:mod:`sparktune._ops`), whose

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import sparktune
+from sparktune import _autograd as autograd_mod
 from sparktune.backends.reference import (
     ReferenceBackend,
     reference_attention,
@@ -107,6 +108,7 @@ def test_backward_chosen_on_the_torch_backend_takes_the_forward_there_too(monkey
 
     # and with the backward on the reference backend, sparktune's own autograd function
     picked["bwd"] = Candidate("reference", "float32")
+    dispatch.invalidate_selections()  # (what a training call decided is kept per selection)
     out = sparktune.attention(q, k, v, causal=True)
     assert any("_AttentionFunction" in n for n in _grad_fn_names(out))
 
@@ -152,7 +154,62 @@ def _pick(monkeypatch, fwd, bwd):
         return real_select(problem, device, **kw)
 
     monkeypatch.setattr(dispatch, "select", select)
+    # these selections carry no record: any forward may pair (the threshold has its own test)
+    monkeypatch.setattr(autograd_mod, "PAIR_MIN_FORWARD_MS", 0.0)
     dispatch.invalidate_selections()  # the calls' plans made before are forgotten
+
+
+def _record(problem, backend, config, ms):
+    from sparktune.db import Record
+    from sparktune.problem import DeviceInfo
+
+    return Record(problem, DeviceInfo("stand-in", (9, 0), 1), "build", backend, config,
+                  median_ms=ms, min_ms=ms, max_ms=ms, runs=1)  # fmt: skip
+
+
+@pytest.mark.parametrize("forward_ms, paired", [(0.2, False), (4.0, True)])
+def test_only_a_long_forward_pairs_with_another_backends_backward(monkeypatch, forward_ms, paired):
+    """A paired call costs more host time than the backward backend's native one: the forward
+    dispatch chose runs paired only when its record (here of another shape, scaled by FLOPs)
+    says it takes at least PAIR_MIN_FORWARD_MS; otherwise the backward's own native forward
+    runs. Either way the decision is made once per plan: repeated calls ask dispatch nothing."""
+    from sparktune import dispatch, registry
+    from sparktune.backends.base import Candidate
+    from sparktune.problem import Problem
+
+    runner = _RunnerBackend()
+    registry.register_backend(runner, replace=True)
+    try:
+        # the record is of a problem half as long (a quarter of the FLOPs): forward_ms / 4 there
+        there = Problem("fwd", "float16", 2, 4, 2, 37, 53, 16, True).replace(seqlen_q=18, seqlen_k=27)
+        record = _record(there, "reference", "float32", forward_ms * there.flops()
+                         / Problem("fwd", "float16", 2, 4, 2, 37, 53, 16, True).flops())  # fmt: skip
+        real_select = dispatch.select
+        asked = []
+
+        def select(problem, device=None, **kw):
+            if kw.get("backend") is None:
+                asked.append(problem.op)
+                if problem.op == "fwd":
+                    return dispatch.Selection(Candidate("reference", "float32"), "nearest", record=record)
+                return dispatch.Selection(Candidate("runner", "float32"), "tuned")
+            return real_select(problem, device, **kw)
+
+        monkeypatch.setattr(dispatch, "select", select)
+        dispatch.invalidate_selections()
+        q, k, v = (t.detach().half().requires_grad_() for t in _inputs())
+        for _ in range(3):
+            out = sparktune.attention(q, k, v, causal=True)
+            assert any("_AttentionFunction" in n for n in _grad_fn_names(out)) == paired
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        assert runner.forwards == (0 if paired else 3)
+        assert len(runner.given) == (3 if paired else 0)
+        first = list(asked)
+        out = sparktune.attention(q, k, v, causal=True)
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        assert asked == first  # a dispatch hit: no selection made again, forward or backward
+    finally:
+        registry.unregister_backend("runner")
 
 
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])

@@ -557,15 +557,23 @@ def _backward_op(
     # dropout is off: the philox state is never read, but the ops take tensors
     seed = torch.zeros((), dtype=torch.int64, device=q.device)
 
-    def aligned(*ts: torch.Tensor) -> bool:
-        return not any(t.data_ptr() & misaligned for t in ts) and _strides_aligned(*ts)
+    f32 = torch.float32
+
+    def aligned(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                out: torch.Tensor) -> bool:  # fmt: skip
+        # (q, k and v have the strides checked above: the same signature reached this run)
+        ptrs = dout.data_ptr() | q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()
+        return not ptrs & misaligned and _strides_aligned(dout, out)
+
+    def rows(lse: torch.Tensor) -> torch.Tensor:
+        return lse if lse.dtype == f32 and lse.is_contiguous() else lse.float().contiguous()
 
     if config == "cudnn":
 
         def run(dout, q, k, v, out, lse):  # type: ignore[no-untyped-def]
             if not aligned(dout, q, k, v, out):
                 return None
-            stats = lse.float().contiguous().unsqueeze(-1)  # cuDNN's (B, H, N, 1) statistics
+            stats = rows(lse).unsqueeze(-1)  # cuDNN's (B, H, N, 1) statistics
             return op(dout, q, k, v, out, stats, seed, seed, None, None, None, nq, nk, 0.0,
                       causal, scale=scale)  # fmt: skip
 
@@ -574,8 +582,8 @@ def _backward_op(
         def run(dout, q, k, v, out, lse):  # type: ignore[no-untyped-def]
             if not aligned(dout, q, k, v, out):
                 return None
-            return op(dout, q, k, v, out, lse.float().contiguous(), None, None, nq, nk, 0.0,
-                      causal, seed, seed, scale=scale)  # fmt: skip
+            return op(dout, q, k, v, out, rows(lse), None, None, nq, nk, 0.0, causal, seed,
+                      seed, scale=scale)  # fmt: skip
 
     return run
 
