@@ -78,6 +78,23 @@ def test_cpu_run_reports_both_implementations(capsys):
     assert "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
 
 
+def test_control_run_puts_sdpa_on_both_sides(capsys):
+    """--control (an A/A run): the sparktune side runs transformers' sdpa function, so no call
+    reaches sparktune, the results agree exactly, and sparktune's function is registered again
+    afterwards."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from sparktune.integrations import transformers as hf
+
+    assert models.main([*TINY, "--mode", "train", "--rounds", "2", "--control", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["settings"]["control"] is True
+    (case,) = doc["cases"]
+    assert case["integration"] == {} and sum(case["dispatch"].values()) == 0
+    assert case["difference"] == 0.0
+    assert ALL_ATTENTION_FUNCTIONS[hf.NAME] is hf.attention_forward
+
+
 def test_cpu_decode_generates_the_same_tokens_on_the_decode_route(capsys):
     """The decode mode: greedy steps against a static cache prefilled once, the sparktune steps
     through attention_with_kvcache (the integration's decode count), the same tokens as SDPA,

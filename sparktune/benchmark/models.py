@@ -40,7 +40,10 @@ own counts (calls run on sparktune and fallbacks by reason), and how far the two
 implementations' first results are apart (the loss for ``train``, the last logits for
 ``prefill``).
 
-``--target RATIO`` exits with status 1 when a case's ratio is below it. Timing runs need a
+``--target RATIO`` exits with status 1 when a case's ratio is below it. ``--control`` makes
+an A/A run: the sparktune side runs transformers' own ``sdpa`` function too, so the ratio it
+reports is the benchmark's noise on this machine (cases short enough to be bound by the host
+move by several percent). Timing runs need a
 CUDA GPU; ``--device cpu`` runs the same code on the CPU (sparktune's reference backend), to
 check the wiring, not to measure.
 """
@@ -674,6 +677,12 @@ def _parser() -> argparse.ArgumentParser:
         help="untimed steps of each implementation first (default 2)",
     )
     p.add_argument(
+        "--control",
+        action="store_true",
+        help="an A/A run: the sparktune side runs transformers' own sdpa function too, so "
+             "its ratio shows how far the benchmark moves with no difference to measure",
+    )
+    p.add_argument(
         "--no-attention-timing",
         action="store_true",
         help="do not wrap the attention functions to time them (no attention share)",
@@ -725,6 +734,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     from sparktune.integrations import transformers as hf
 
     hf.register()
+    if args.control:
+        from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        AttentionInterface.register(hf.NAME, sdpa_attention_forward)
+        print(
+            "# --control: both implementations run transformers' sdpa function (an A/A run)",
+            file=sys.stderr,
+        )
+    try:
+        return _main(args, hf)
+    finally:
+        if args.control:
+            hf.register()  # sparktune's attention function again
+
+
+def _main(args: argparse.Namespace, hf: Any) -> int:
     device = torch.device(args.device)
     dtype = TORCH_DTYPES[args.dtype]
     clock = _Clock(device)
@@ -764,7 +790,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "settings": {
                 k: getattr(args, k)
                 for k in ("preset", "seqlen", "mode", "batch", "dtype", "layers", "rounds",
-                          "steps", "warmup", "target", "new_tokens")
+                          "steps", "warmup", "target", "new_tokens", "control")
             } | {"attention_timing": timer is not None},
             "cases": [c.to_json() for c in cases],
         }  # fmt: skip
