@@ -199,6 +199,50 @@ def test_hit_path_calls_little(tuned_hit, grad_mode, forced):
     assert sum(n for name, n in ops.items() if name in ALLOCATIONS) == 1, ops
 
 
+@pytest.mark.parametrize("backward", ["reference:float32", "torch:math"])
+def test_a_repeated_training_call_asks_dispatch_nothing(tuned_hit, monkeypatch, backward):
+    """A training call on a hit (the forward's record on the noop backend, the backward's on
+    another: sparktune's autograd function, or SDPA's native pair) decides what to run once:
+    a repeated call, forward and backward, makes no selection, no Problem and no plan."""
+    from sparktune.backends.base import Candidate
+
+    real_select = dispatch.select
+    b_name, b_config = backward.split(":")
+
+    class Lse(NoopBackend):
+        name = "host-noop"
+
+        def forward(self, q, k, v, out, *, config, causal, scale, need_lse=True):
+            self.calls += 1
+            out.zero_()
+            return torch.zeros(q.shape[:3], dtype=torch.float32)
+
+    registry.register_backend(Lse(), replace=True)
+
+    def select(problem, device=None, **kw):
+        if kw.get("backend") is None and problem.op == "bwd":
+            return dispatch.Selection(Candidate(b_name, b_config), "tuned")
+        return real_select(problem, device, **kw)
+
+    monkeypatch.setattr(dispatch, "select", select)
+    dispatch.invalidate_selections()
+    q, k, v = (t.requires_grad_() for t in qkv())
+
+    def step():
+        out = sparktune.attention(q, k, v)
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+    step()
+    with _Calls() as calls:
+        step()
+        step()
+    asked = {"select", "_resolve", "native_choice", "_backward_choice", "plan_for",
+             "backward_problem", "_forward_ms", "__post_init__"} & {
+        n.rpartition(".")[2] for n in calls.python
+    }  # fmt: skip
+    assert not asked, calls.python
+
+
 def test_a_repeated_shape_makes_no_problem(tuned_hit, monkeypatch):
     """The first call of a shape validates its Problem once; later calls make none."""
     made = collections.Counter()
