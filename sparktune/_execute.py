@@ -153,7 +153,10 @@ def backward_choice(plan: Plan) -> tuple[Backend, str] | None:
     """The backend and config for the backward: chosen by dispatch for the "bwd" problem
     (the user's forced backend, and its forward config where it offers it for "bwd", when
     one was forced); None when none can run it. Worked out once per plan and dispatch
-    generation (a training step's backward on a dispatch hit asks for it again)."""
+    generation (a training step's backward on a dispatch hit asks for it again); not kept for
+    a call with features, whose plan holds the call's own ALiBi slopes and generator."""
+    if plan.features is not None:
+        return _backward_choice(plan)
     memo = _backward_choices.get(id(plan))
     if memo is not None and memo[0] is plan and memo[1] == dispatch.generation:
         return memo[2]
