@@ -11,17 +11,15 @@ import torch
 from . import dispatch, registry
 from ._checks import bhnd
 from ._execute import backward_choice, in_layout, run_backward, run_features, run_forward
-from ._plan import Plan, backward_problem, device_info, forward_problem
+from ._plan import Plan, PlanMemo, backward_problem, device_info, forward_problem
 from .backends.base import Backend
 from .problem import DeviceInfo, Problem
 
 __all__ = ["FeatureAttention", "native_choice", "recorded_for_backward", "train"]
 
 
-#: id of a Plan -> (that Plan, dispatch's generation, its :func:`native_choice`, whether its
-#: forward is long enough to pair): what a training call on a dispatch hit decides once
-_natives: dict[int, tuple[Plan, int, Any, bool]] = {}
-_NATIVES_MAX = 1024
+#: each plan's :func:`_training_choice`: what a training call on a dispatch hit decides once
+_training_choices = PlanMemo()
 #: a forward dispatch chose over the backward backend's own runs paired with that backward
 #: (:func:`_unless_backward_takes_forward`) only when its record says it takes at least this
 #: long (milliseconds; a nearest record's time scaled by the FLOPs ratio). A paired call costs
@@ -50,18 +48,15 @@ def _forward_ms(plan: Plan) -> float | None:
 def _training_choice(plan: Plan) -> tuple[Any, bool]:
     """(:func:`native_choice` for the plan, whether its forward may pair with another
     backend's backward), worked out once per plan and dispatch generation."""
-    memo = _natives.get(id(plan))
-    if memo is not None and memo[0] is plan and memo[1] == dispatch.generation:
-        return memo[2], memo[3]
-    generation = dispatch.generation
+    return _training_choices.get(plan, _decide_training)
+
+
+def _decide_training(plan: Plan) -> tuple[Any, bool]:
     native = native_choice(plan.backend, plan.config, plan.problem, plan.device, plan.forced)
     pair = False
     if native is not None and not plan.forced and native[0] is not plan.backend:
         ms = _forward_ms(plan)
         pair = ms >= PAIR_MIN_FORWARD_MS if ms is not None else PAIR_MIN_FORWARD_MS <= 0
-    if len(_natives) >= _NATIVES_MAX:
-        _natives.clear()
-    _natives[id(plan)] = (plan, generation, native, pair)
     return native, pair
 
 

@@ -10,7 +10,7 @@ import torch
 
 from . import dispatch, registry
 from ._checks import bhnd
-from ._plan import FALLBACK_BACKENDS, Plan, backward_problem, warn_once
+from ._plan import FALLBACK_BACKENDS, Plan, PlanMemo, backward_problem, warn_once
 from .backends.base import Backend
 from .backends.reference import reference_attention_backward
 
@@ -144,9 +144,8 @@ def run_forward(
     )
 
 
-#: id of a Plan -> (that Plan, dispatch's generation, its :func:`backward_choice`)
-_backward_choices: dict[int, tuple[Plan, int, tuple[Backend, str] | None]] = {}
-_BACKWARD_CHOICES_MAX = 1024
+#: each plan's :func:`backward_choice`
+_backward_choices = PlanMemo()
 
 
 def backward_choice(plan: Plan) -> tuple[Backend, str] | None:
@@ -157,15 +156,7 @@ def backward_choice(plan: Plan) -> tuple[Backend, str] | None:
     a call with features, whose plan holds the call's own ALiBi slopes and generator."""
     if plan.features is not None:
         return _backward_choice(plan)
-    memo = _backward_choices.get(id(plan))
-    if memo is not None and memo[0] is plan and memo[1] == dispatch.generation:
-        return memo[2]
-    generation = dispatch.generation
-    choice = _backward_choice(plan)
-    if len(_backward_choices) >= _BACKWARD_CHOICES_MAX:
-        _backward_choices.clear()
-    _backward_choices[id(plan)] = (plan, generation, choice)
-    return choice
+    return _backward_choices.get(plan, _backward_choice)
 
 
 def _backward_choice(plan: Plan) -> tuple[Backend, str] | None:

@@ -120,6 +120,32 @@ class Plan:
     features: Any = None
 
 
+class PlanMemo:
+    """What a call works out from its plan alone, once per plan and dispatch generation (a
+    repeated call on a dispatch hit has the same Plan object): :meth:`get` computes it the
+    first time and returns the kept value while dispatch's selections stand. Holds at most
+    ``limit`` plans, then starts again."""
+
+    __slots__ = ("_table", "_limit")
+
+    def __init__(self, limit: int = 1024) -> None:
+        #: id of a Plan -> (that Plan, dispatch's generation, the value)
+        self._table: dict[int, tuple[Plan, int, Any]] = {}
+        self._limit = limit
+
+    def get(self, plan: Plan, compute: Any) -> Any:
+        """``compute(plan)``, or what it gave for this plan in this dispatch generation."""
+        kept = self._table.get(id(plan))
+        if kept is not None and kept[0] is plan and kept[1] == dispatch.generation:
+            return kept[2]
+        generation = dispatch.generation
+        value = compute(plan)
+        if len(self._table) >= self._limit:
+            self._table.clear()
+        self._table[id(plan)] = (plan, generation, value)
+        return value
+
+
 #: id of a forward Problem -> (that Problem, its backward Problem)
 _bwd_problems: dict[int, tuple[Problem, Problem]] = {}
 
