@@ -13,6 +13,7 @@ from sparktune.backends.reference import (
     reference_attention,
     reference_attention_backward,
 )
+from tests._store_helpers import record as store_record
 
 
 def _inputs(b=2, hq=4, hk=2, nq=37, nk=53, d=16, dtype=torch.float32, layout="bhnd"):
@@ -159,14 +160,6 @@ def _pick(monkeypatch, fwd, bwd):
     dispatch.invalidate_selections()  # the calls' plans made before are forgotten
 
 
-def _record(problem, backend, config, ms):
-    from sparktune.db import Record
-    from sparktune.problem import DeviceInfo
-
-    return Record(problem, DeviceInfo("stand-in", (9, 0), 1), "build", backend, config,
-                  median_ms=ms, min_ms=ms, max_ms=ms, runs=1)  # fmt: skip
-
-
 @pytest.mark.parametrize("forward_ms, paired", [(0.2, False), (4.0, True)])
 def test_only_a_long_forward_pairs_with_another_backends_backward(monkeypatch, forward_ms, paired):
     """A paired call costs more host time than the backward backend's native one: the forward
@@ -181,9 +174,10 @@ def test_only_a_long_forward_pairs_with_another_backends_backward(monkeypatch, f
     registry.register_backend(runner, replace=True)
     try:
         # the record is of a problem half as long (a quarter of the FLOPs): forward_ms / 4 there
-        there = Problem("fwd", "float16", 2, 4, 2, 37, 53, 16, True).replace(seqlen_q=18, seqlen_k=27)
-        record = _record(there, "reference", "float32", forward_ms * there.flops()
-                         / Problem("fwd", "float16", 2, 4, 2, 37, 53, 16, True).flops())  # fmt: skip
+        here = Problem("fwd", "float16", 2, 4, 2, 37, 53, 16, True)
+        there = here.replace(seqlen_q=18, seqlen_k=27)
+        median = forward_ms * there.flops() / here.flops()
+        record = store_record(there, backend="reference", config="float32", median=median)
         real_select = dispatch.select
         asked = []
 
