@@ -65,6 +65,14 @@ def test_sm90_backward_entries():
     assert ov.name == "bwd_sm90_f16_d64_m64n128_s3_ov1"
     assert ov.config_type == "Sm90BwdConfig<cutlass::half_t, 64, 64, 128, 3, true>"
     assert {"bwd_sm90_f16_d64_m64n128_s3_ov1", "bwd_sm90_bf16_d64_m64n128_s3_ov1"} <= {x.name for x in bwd}
+    # K and V in registers: a second suffix and template argument, after the overlap's
+    kr = kernel_space.Bwd90Entry("f16", 64, 64, 128, 2, kv_regs=True)
+    assert kr.name == "bwd_sm90_f16_d64_m64n128_s2_kr1"
+    assert kr.config_type == "Sm90BwdConfig<cutlass::half_t, 64, 64, 128, 2, false, true>"
+    kr = kernel_space.Bwd90Entry("bf16", 64, 64, 128, 3, True, True)
+    assert kr.name == "bwd_sm90_bf16_d64_m64n128_s3_ov1_kr1"
+    assert kr.config_type.endswith(", 3, true, true>")
+    assert {"bwd_sm90_f16_d64_m64n128_s2_kr1", "bwd_sm90_bf16_d128_m64n128_s2_kr1"} <= {x.name for x in bwd}
 
 
 def test_sm90_scheduling_switches_are_name_suffixes():
@@ -115,6 +123,8 @@ def test_sm90_backward_rules_say_why(tmp_path):
         assert "register budget" in rows[f"bwd_sm90_{dt}_d64_m128n128_s2"][4]
         assert rows[f"bwd_sm90_{dt}_d64_m64n128_s3_ov1"][1] == "1"
         assert "overlapped order" in rows[f"bwd_sm90_{dt}_d128_m64n128_s3_ov1"][4]
+        assert rows[f"bwd_sm90_{dt}_d64_m64n128_s2_kr1"][1] == "1"
+        assert "K and V as register operands" in rows[f"bwd_sm90_{dt}_d128_m64n128_s2_kr1"][4]
 
 
 @pytest.mark.build
@@ -165,6 +175,7 @@ def _bwd_catalogue():
         k("bwd_sm90_f16_d128_m64n64_s2", 90, 64, 64, 4, 1),
         k("bwd_sm80_f16_d64_m128n128_w2x4_acc32", 80, 128, 128, 2, 4),
         k("bwd_sm90_f16_d64_m64n128_s2", 90, 64, 128, 8, 1),
+        k("bwd_sm90_f16_d64_m64n128_s2_kr1", 90, 64, 128, 8, 1),
     )}
 
 
@@ -211,11 +222,12 @@ def test_spark_bwd_sm90_default_and_deterministic(monkeypatch):
     # is empty), and a default listed there would serve deterministic problems only
     p64 = Problem("bwd", "float16", 1, 2, 2, 4096, 4096, 64, True)
     assert ("bwd", 64) not in kernel_space.SM90_DETERMINISTIC_ONLY
-    assert b.default_config(p64, hopper) == "bwd_sm90_f16_d64_m64n128_s2"
-    assert b.default_config(p64.replace(deterministic=True), hopper) == "bwd_sm90_f16_d64_m64n128_s2"
+    # (the default there is the one with K and V in registers, not the same tiles without)
+    assert b.default_config(p64, hopper) == "bwd_sm90_f16_d64_m64n128_s2_kr1"
+    assert b.default_config(p64.replace(deterministic=True), hopper) == "bwd_sm90_f16_d64_m64n128_s2_kr1"
     monkeypatch.setattr(spark_mod, "SM90_DETERMINISTIC_ONLY", frozenset({("bwd", 64)}))
     assert b.default_config(p64, hopper) == "bwd_sm80_f16_d64_m128n128_w2x4_acc32"
-    assert b.default_config(p64.replace(deterministic=True), hopper) == "bwd_sm90_f16_d64_m64n128_s2"
+    assert b.default_config(p64.replace(deterministic=True), hopper) == "bwd_sm90_f16_d64_m64n128_s2_kr1"
 
 
 def test_gpu_check_bwd_says_where_a_gradient_is_wrong():

@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT = "fwd_sm90_f16_d128_m128n128_s2,bwd_sm90_f16_d64_m64n128_s2"
+DEFAULT = "fwd_sm90_f16_d128_m128n128_s2,bwd_sm90_f16_d64_m64n128_s2_kr1"
 # The flags of the CMake Release build (NDEBUG included: CuTe's debug asserts, such as the
 # alignment check of a position-independent swizzled view, are calls to __assertfail, and a
 # call between wgmma instructions makes ptxas serialize them in a build that keeps them)

@@ -151,7 +151,9 @@ class Bwd90Entry:
     (a runtime switch: the caller passes the dQ semaphore workspace).
 
     ``overlap`` (``_ov1``): the next query tile's S^T, dP^T and softmax under this tile's dV, dQ
-    and dK products inside each consumer warpgroup (see sm90_bwd_config.h). Off: no suffix."""
+    and dK products inside each consumer warpgroup (see sm90_bwd_config.h). ``kv_regs``
+    (``_kr1``): K and V loaded into registers once per block, as the register operands of S^T
+    and dP^T (head dim 64: at 128 they do not fit). Off: no suffix."""
 
     rules_header = "sparktune/sm90_bwd_config.h"
     launch_header = "sparktune/sm90_bwd_launch.h"
@@ -164,19 +166,25 @@ class Bwd90Entry:
     block_n: int
     stages: int
     overlap: bool = False
+    kv_regs: bool = False
 
     @property
     def name(self) -> str:
         return (
             f"bwd_sm90_{self.dtype}_d{self.head_dim}_m{self.block_m}n{self.block_n}"
-            f"_s{self.stages}{'_ov1' if self.overlap else ''}"
+            f"_s{self.stages}{'_ov1' if self.overlap else ''}{'_kr1' if self.kv_regs else ''}"
         )
 
     @property
     def config_type(self) -> str:
+        flags = ""
+        if self.overlap or self.kv_regs:
+            flags = f", {str(self.overlap).lower()}"
+        if self.kv_regs:
+            flags += ", true"
         return (
             f"Sm90BwdConfig<{DTYPES[self.dtype][1]}, {self.head_dim}, {self.block_m}, "
-            f"{self.block_n}, {self.stages}{', true' if self.overlap else ''}>"
+            f"{self.block_n}, {self.stages}{flags}>"
         )
 
 
@@ -274,6 +282,11 @@ def backward_space() -> list[BwdEntry | Bwd90Entry]:
     # the overlapped order (``_ov1``, three stages): head dim 64, and head dim 128 declared so
     # that the register rule says why it is out
     entries += [Bwd90Entry(dt, hd, 64, 128, 3, True) for dt in ("f16", "bf16") for hd in (64, 128)]
+    # K and V as register operands of S^T and dP^T (``_kr1``): head dim 64, and head dim 128
+    # declared so that the register rule says why it is out. (With the overlapped order as well,
+    # s3_ov1_kr1, ptxas spilled 16 B and the kernel was 0.97-1.00x s2_kr1 on an H200: not declared.)
+    entries += [Bwd90Entry(dt, hd, 64, 128, 2, False, True) for dt in ("f16", "bf16")
+                for hd in (64, 128)]
     names = [e.name for e in entries]
     assert len(names) == len(set(names)), "duplicate configuration names"
     return entries
@@ -347,7 +360,9 @@ SM90_DEFAULTS = {
     # 16k, causal and not, the family 80 defaults in the same run, BENCHMARKS.md): head dim 128
     # 397-492 against 234-275, head dim 64 268-327 against 224-266. The only backward with a
     # deterministic mode.
-    ("bwd", 64): "m64n128_s2",
+    # Head dim 64 with K and V in registers (``_kr1``): 1.00-1.07x the same tiles without
+    # (bwd-only, same run, BENCHMARKS.md "K and V as register operands").
+    ("bwd", 64): "m64n128_s2_kr1",
     ("bwd", 128): "m64n128_s2",
 }
 

@@ -18,6 +18,11 @@
 // and its stores no longer leave the tensor cores idle between the two halves of a step. It
 // holds step t's 16-bit P^T and dS^T next to step t + 1's fp32 S^T and dP^T (the register rule
 // counts both) and needs three Q/dO stages (steps t and t + 1 are read while t + 2 loads).
+//
+// A switch, kKvRegs ("kr1"): each consumer warpgroup loads its 64 keys of K and V from shared
+// memory into registers once (ldmatrix) and S^T, dP^T take them as register operands, so that
+// those two products read only Q and dO from shared memory (half the shared-memory traffic of
+// a shared x shared wgmma of N = block_m). dQ still reads K from shared memory.
 #pragma once
 
 #include <cutlass/numeric_types.h>
@@ -27,7 +32,7 @@
 namespace sparktune {
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_,
-          bool kOverlap_ = false>
+          bool kOverlap_ = false, bool kKvRegs_ = false>
 struct Sm90BwdConfig {
   using Element = Element_;
   static constexpr int kFamily = 90;
@@ -36,6 +41,7 @@ struct Sm90BwdConfig {
   static constexpr int kBlockN = kBlockN_;  // keys per thread block
   static constexpr int kStages = kStages_;  // depth of the Q / dO ring
   static constexpr bool kOverlap = kOverlap_;
+  static constexpr bool kKvRegs = kKvRegs_;
   static constexpr bool kIsHalf = std::is_same_v<Element, cutlass::half_t>;
   static constexpr bool kAcc32 = true;
 
@@ -79,8 +85,11 @@ struct Sm90BwdConfig {
   // step's 16-bit P^T and dS^T wait for dV and dK (the same peak as the plain order's
   // conversion) and dQ's part (block_m x kDqCols fp32) lands: that part comes on top.
   static constexpr int kRegsDq = kBlockM * kDqCols / 128;
-  static constexpr int kRegEstimate =
-      kRegsDkv + kRegsSdP + kRegsSdP / 2 + kRegOverhead + (kOverlap ? kRegsDq : 0);
+  // K and V in registers (kKvRegs, "kr1"): a warpgroup's 64 keys of each as 16-bit A
+  // operands of S^T and dP^T, loaded once per block
+  static constexpr int kRegsKv = 2 * 64 * kHeadDim / 256;
+  static constexpr int kRegEstimate = kRegsDkv + kRegsSdP + kRegsSdP / 2 + kRegOverhead +
+                                      (kOverlap ? kRegsDq : 0) + (kKvRegs ? kRegsKv : 0);
 
   // ---- shared memory: K, V, the Q and dO slots, two dS^T buffers, dQ's fp32 tile, two buffers
   // of statistics (LSE in base 2 and D, fp32), barriers
@@ -123,7 +132,8 @@ struct Sm90BwdConfig {
       : !kStagesOk ? "the Q/dO pipeline has 2 or 3 stages"
       : !kOverlapOk ? "the overlapped order (ov1) reads two steps' Q and dO while a third loads: it needs 3 stages"
       : !kSmemOk   ? "shared memory exceeds 227 KB per block"
-      : !kRegsOk   ? (kOverlap ? "register budget: the overlapped order holds dK, dV, the next step's S^T and dP^T, this step's P^T and dS^T and dQ's part, more than setmaxnreg can give a consumer thread"
+      : !kRegsOk   ? (kKvRegs ? "register budget: K and V as register operands come on top of dK, dV, S^T, dP^T, P^T and dS^T, more than setmaxnreg can give a consumer thread"
+                      : kOverlap ? "register budget: the overlapped order holds dK, dV, the next step's S^T and dP^T, this step's P^T and dS^T and dQ's part, more than setmaxnreg can give a consumer thread"
                                    : "register budget: dK, dV, S^T, dP^T, P^T and dS^T of a consumer thread need more registers than setmaxnreg can give it (ptxas would spill or serialize the wgmma)")
                    : "";
 };

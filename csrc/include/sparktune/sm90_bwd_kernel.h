@@ -406,7 +406,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
   const int ctid = threadIdx.x - 128;
 
-  typename Traits::TiledMmaSdP mma_sdp;
+  typename Traits::TiledMmaSdPUsed mma_sdp;  // kKvRegs: K and V as register operands
   typename Traits::TiledMmaDkv mma_dkv;
   typename Traits::TiledMmaDq mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(ctid);
@@ -464,8 +464,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using Step = sm90::BwdStep<kStages>;
   auto issue_sdp = [&](Step const& at, auto& acc_s, auto& acc_dp) {
     qdo_full[at.stage].wait(at.phase);
-    sm90::wgmma_gemm<true, false>(mma_sdp, tSrK, tSrQ(_, _, _, at.stage), acc_s);
-    sm90::wgmma_gemm<true, false>(mma_sdp, tPrV, tPrDo(_, _, _, at.stage), acc_dp);
+    sm90::wgmma_gemm<true, Traits::kKvRegs>(mma_sdp, tSrK, tSrQ(_, _, _, at.stage), acc_s);
+    sm90::wgmma_gemm<true, Traits::kKvRegs>(mma_sdp, tPrV, tPrDo(_, _, _, at.stage), acc_dp);
   };
   // P^T = exp2(S^T * scale_log2 - lse_log2), zero where the key is not visible, then dS^T =
   // P^T * (dP^T - D), in the accumulators of step `at`: S^T's batch is complete once at most
@@ -567,6 +567,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     pending = ctid < 2 * kBlockM && steps > 1 ? load_stat(1) : 0.f;
     sm90::bar_sync(kBarStats, kConsumerThreads);
     kv_full.wait(0);
+    if constexpr (Traits::kKvRegs) {
+      // this warpgroup's 64 keys of K and V into the register operands, once for the walk
+      auto copy_kv = make_tiled_copy_A(typename Traits::SmemCopyAtomKv{}, mma_sdp);
+      auto thr_copy_kv = copy_kv.get_thread_slice(ctid);
+      cute::copy(copy_kv, thr_copy_kv.partition_S(sK), thr_copy_kv.retile_D(tSrK));
+      cute::copy(copy_kv, thr_copy_kv.partition_S(sV), thr_copy_kv.retile_D(tPrV));
+    }
   }
   if (steps > 0 && !Traits::kOverlap) {
     for (int t = 0; t < steps; ++t) {

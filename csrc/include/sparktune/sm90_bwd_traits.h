@@ -43,6 +43,13 @@ struct Sm90BwdTraits : Config {
   using TiledMmaSdP = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, BlockM, HeadDim>>(),
       AtomAlongKeys{}));
+  // the same two products with K and V as register operands (kKvRegs)
+  using TiledMmaSdPRs = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, BlockM, HeadDim>>(),
+      AtomAlongKeys{}));
+  using TiledMmaSdPUsed = std::conditional_t<Config::kKvRegs, TiledMmaSdPRs, TiledMmaSdP>;
+  // K and V from shared memory into the register A operand (ldmatrix, K-major rows)
+  using SmemCopyAtomKv = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
   // dV += P^T dO and dK += dS^T Q: (64 keys x head_dim) per warpgroup, k = block_m; the A
   // operand from registers, B = dO or Q read as (head_dim, block_m): MN-major
   using TiledMmaDkv = decltype(make_tiled_mma(
