@@ -165,6 +165,33 @@ def test_split_rule():
                             1, 1, 1, 10**6) == 100
 
 
+def test_split_rule_fills_whole_waves_once_the_occupancy_is_known():
+    x4 = space.parse_decode_config("tdec_n64_w4s2_x4")
+    # batch 8 x 8 kv heads: ceil(4 * 132 / 64) = 9 splits, 576 programs; resident 4 to an SM
+    # (528 a wave) they would need a second wave for 48 programs: 8 splits, one whole wave
+    assert space.num_splits(x4, 8, 8, 132, 32768) == 9
+    assert space.num_splits(x4, 8, 8, 132, 32768, blocks_per_sm=4) == 8
+    # resident 7 to an SM (924 a wave) the 576 fit one wave: unchanged
+    assert space.num_splits(x4, 8, 8, 132, 32768, blocks_per_sm=7) == 9
+    # batch 64: 2 splits are 1024 programs, one more than a wave of 924: one split
+    assert space.num_splits(x4, 64, 8, 132, 32768, blocks_per_sm=7) == 1
+    # an exact number of waves, or fewer programs than one wave, stays
+    assert space.num_splits(x4, 66, 1, 132, 32768, blocks_per_sm=4) == 8
+    # fixed splits are taken as they are
+    p3 = space.parse_decode_config("tdec_n64_w4s2_p3")
+    assert space.num_splits(p3, 64, 8, 132, 32768, blocks_per_sm=1) == 3
+
+
+def test_blocks_per_sm_counts_registers_shared_memory_and_threads():
+    # sm_90 (65536 registers, 2048 threads, 228 KB): 72 registers x 4 warps -> 7 blocks,
+    # 105 (allocated as 112) -> 4; shared memory and threads can be the limit instead
+    assert space.blocks_per_sm(72, 4, 0) == 7
+    assert space.blocks_per_sm(105, 4, 0) == 4
+    assert space.blocks_per_sm(32, 4, 100 * 1024) == 2
+    assert space.blocks_per_sm(16, 8, 0) == 8
+    assert space.blocks_per_sm(0, 4, 0) is None  # unknown (the interpreter)
+
+
 def test_interp_repeated_calls_reuse_the_plan_and_stay_exact(request, monkeypatch):
     """Calls of one signature after the first reuse its checked plan and launcher; new length
     values (the same signature) and new caches still give the definition's answer."""
@@ -344,6 +371,47 @@ def test_direct_launch_engages_only_when_safe(monkeypatch):
     odd(a, b)
     odd(a, b)
     assert odd.direct == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_split_count_follows_the_compiled_kernels_occupancy():
+    """On the GPU: after its first launch a plan's split count is the rule's for the compiled
+    kernel's occupancy (whole waves; batch 64 here is one wave more than whole at the rule's
+    count on an H200), its grid launches that many splits, and the calls before and after
+    both pass the 2x rule against the float64 definition."""
+    import sparktune
+    from sparktune import _kvcache
+    from sparktune.kernels import triton_decode as td
+
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    for batch in (8, 64):
+        _kvcache._plans.clear()
+        case = make_case(dtype=torch.bfloat16, seed=5, batch=batch, seqlens=(1024,) * batch, capacity=1024,
+                         hq=32, hkv=8, d=128)
+        args, kw = case.call_args(device="cuda")
+        kw.update(backend="triton")
+        outs = [sparktune.attention_with_kvcache(*args, **kw)]
+        (plan,) = _kvcache._plans.values()
+        launcher = plan.launcher
+        assert launcher.fitted
+        outs.append(sparktune.attention_with_kvcache(*args, **kw))
+        decode = launcher.launches[1]
+        per_sm = td._occupancy(decode.compiled, dev)
+        assert per_sm is not None and per_sm >= 1
+        assert decode.grid[0] == launcher.splits
+        rule = space.num_splits(launcher.cfg, batch, 8, sms, 1024)
+        assert launcher.splits <= rule
+        wave = sms * per_sm
+        if launcher.splits < rule:  # rounded down to the whole waves of the rule's programs
+            assert launcher.splits * batch * 8 <= (rule * batch * 8 // wave) * wave
+        ref, _ = decode_oracle(case.q, case.k_cache, case.v_cache, None, None, seqlens=list(case.seqlens))
+        low, _ = decode_oracle(case.q, case.k_cache, case.v_cache, None, None, seqlens=list(case.seqlens),
+                               math_dtype=torch.float32)
+        base = (low.to(case.q.dtype).double() - ref).abs().max().item()
+        for out in outs:
+            assert (out.double().cpu() - ref).abs().max().item() <= 2 * base + FLOOR, batch
 
 
 @pytest.mark.gpu

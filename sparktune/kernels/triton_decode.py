@@ -37,6 +37,7 @@ except ImportError:  # a Triton without them: every launch goes through JITFunct
     _knobs = None
 from .triton_decode_space import (
     DecodeConfig,
+    blocks_per_sm,
     default_decode_config,
     num_splits,
     parse_decode_config,
@@ -160,8 +161,17 @@ def _decode_kernel(Q, K, V, Seqlens, Table, BatchIdx, Slopes, Out, Lse, Opart, L
             k_off = page * stride_kb + slot * stride_kn
             v_off = page * stride_vb + slot * stride_vn
         else:
-            k_off = row.to(tl.int64) * stride_kb + kj.to(tl.int64) * stride_kn
-            v_off = row.to(tl.int64) * stride_vb + kj.to(tl.int64) * stride_vn
+            # the keys as segments of 4 tiles, addressed like pages: the first key of the tile's
+            # segment, then the tile's keys relative to it. (Addressed from the tile's own first
+            # key, or per key, the compiler keeps the loop's loads' addresses in registers:
+            # 105 a thread against 72 for sm_90, 4 blocks an SM instead of 7, and at batch 8 the
+            # grid of the default split rule needed a second wave: 0.79x the paged cache's
+            # bandwidth on an H200.)
+            seg = start_n // (4 * BLOCK_N)
+            slot = kj - seg * (4 * BLOCK_N)
+            first = tl.cast(seg, tl.int64) * (4 * BLOCK_N)
+            k_off = row.to(tl.int64) * stride_kb + first * stride_kn + slot * stride_kn
+            v_off = row.to(tl.int64) * stride_vb + first * stride_vn + slot * stride_vn
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + k_off[:, None] + ds[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + v_off[:, None] + ds[None, :], mask=kv_mask, other=0.0)
@@ -322,8 +332,29 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def splits_for(cfg: DecodeConfig, key, device: torch.device, capacity: int) -> int:
-    return num_splits(cfg, key.batch, key.heads_kv, _sm_count(device), capacity)
+def splits_for(cfg: DecodeConfig, key, device: torch.device, capacity: int,
+               per_sm: int | None = None) -> int:
+    return num_splits(cfg, key.batch, key.heads_kv, _sm_count(device), capacity, per_sm)
+
+
+def _occupancy(compiled, device: torch.device) -> int | None:
+    """Programs of a compiled Triton kernel one SM of ``device`` holds at once, or None where
+    that is not known (the interpreter; a Triton whose kernel object does not say)."""
+    if compiled is None or device.type != "cuda":
+        return None
+    try:
+        n_regs = int(compiled.n_regs)
+        warps = int(compiled.metadata.num_warps)
+        shared = int(compiled.metadata.shared)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return blocks_per_sm(
+        n_regs, warps, shared,
+        regs_per_sm=getattr(props, "regs_per_multiprocessor", 65536),
+        threads_per_sm=getattr(props, "max_threads_per_multi_processor", 2048),
+        smem_per_sm=getattr(props, "shared_memory_per_multiprocessor", 233472),
+    )
 
 
 @functools.lru_cache(maxsize=256)
@@ -338,11 +369,19 @@ class DecodeLauncher:
     then allocates the outputs and launches the kernels with the call's tensors only."""
 
     __slots__ = ("batch", "nq", "hq", "splits", "block_m", "block_d", "opart_size",
-                 "lpart_size", "has_table", "has_bidx", "has_slopes", "appends", "dev", "launches")
+                 "lpart_size", "has_table", "has_bidx", "has_slopes", "appends", "dev", "launches",
+                 "cfg", "fitted")
 
     def __init__(self, inp, config: str | None = None) -> None:
+        self.cfg = _config(config, inp.key.head_dim)
+        # the split rule's count until the kernel's occupancy is known (after its first launch,
+        # see run): then whole waves (triton_decode_space.num_splits)
+        self.fitted = False
+        self._build(inp, splits_for(self.cfg, inp.key, inp.q.device, inp.capacity))
+
+    def _build(self, inp, splits: int) -> None:
         key = inp.key
-        cfg = _config(config, key.head_dim)
+        cfg = self.cfg
         q, kc, vc = inp.q, inp.k_cache, inp.v_cache
         batch, nq, hq, d = q.shape
         hkv = key.heads_kv
@@ -370,7 +409,6 @@ class DecodeLauncher:
                      BLOCK_H=_pow2(hkv, 1), BLOCK_D=block_d, num_warps=1),
                 dev,
             )
-        splits = splits_for(cfg, key, dev, inp.capacity)
         block_m = _pow2(group * nq)
         self.splits, self.block_m = splits, block_m
         self.opart_size = batch * hkv * splits * block_m * block_d
@@ -428,7 +466,21 @@ class DecodeLauncher:
                inp.alibi_slopes if self.has_slopes else lse, out, lse, opart, lpart)
         if combine is not None:
             combine(opart, lpart, out, lse)
+        if not self.fitted:
+            self._fit(inp, decode)
         return (out, lse) if return_lse else out
+
+    def _fit(self, inp, decode: _Launch) -> None:
+        """Once, after the first launch: the split count for the compiled kernel's occupancy.
+        A different count rebuilds the launches (the next call compiles the kernel again only
+        where one split replaces several: its SPLIT constant changes)."""
+        self.fitted = True
+        per_sm = _occupancy(decode.compiled, self.dev)
+        if per_sm is None:
+            return
+        splits = splits_for(self.cfg, inp.key, self.dev, inp.capacity, per_sm)
+        if splits != self.splits:
+            self._build(inp, splits)
 
 
 def decode(inp, *, config: str | None = None, return_lse: bool = False):
