@@ -53,14 +53,9 @@ def _loop(fn: Callable[[], object], calls: int) -> tuple[float, float]:
 
 
 def _path(out: torch.Tensor) -> str:
-    names, todo, seen = set(), [out.grad_fn], set()
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        names.add(type(fn).__name__)
-        todo.extend(f for f, _ in fn.next_functions)
+    from sparktune._autograd import graph_node_names
+
+    names = graph_node_names(out)
     if any("_AttentionFunction" in n for n in names):
         return "sparktune autograd function"
     sdpa = sorted(n for n in names if "ScaledDotProduct" in n)

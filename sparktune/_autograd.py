@@ -60,6 +60,22 @@ def _decide_training(plan: Plan) -> tuple[Any, bool]:
     return native, pair
 
 
+def graph_node_names(t: torch.Tensor) -> set[str]:
+    """The class names of every autograd node ``t``'s gradient would run through (which
+    backward a call recorded: sparktune's ``_AttentionFunction``, or PyTorch's own SDPA
+    nodes): for tests and benchmarks."""
+    names: set[str] = set()
+    todo, seen = [t.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        todo.extend(f for f, _ in fn.next_functions)
+    return names
+
+
 def native_choice(
     backend: Backend, config: str, problem: Problem, device: DeviceInfo | None, forced: bool
 ) -> tuple[Backend, Any, str] | None:
