@@ -164,14 +164,14 @@ void check_launch(cudaError_t err, const std::string& name) {
   }
 }
 
-// The attention features of the family 90 forward (FwdParams): checked, then set.
+// The attention features of the family 90 forward and backward (FwdParams): checked, then set.
 void fill_features(FwdParams& p, const KernelInfo& info, int window_left, int window_right,
                    double softcap, uintptr_t alibi_slopes, int64_t alibi_batch_stride) {
   const bool on = window_left != -1 || window_right != -1 || softcap != 0.0 || alibi_slopes != 0;
-  if (on && (info.family != 90 || info.op != "fwd")) {
+  if (on && info.family != 90) {
     throw std::invalid_argument("kernel '" + info.name +
                                 "' has no sliding window, softcap or ALiBi (the family 90 "
-                                "forward, fwd_sm90_*, has them)");
+                                "kernels, fwd_sm90_* and bwd_sm90_*, have them)");
   }
   if (window_left < -1 || window_right < -1) {
     throw std::invalid_argument("window sides must be >= 0, or -1 for unlimited, got (" +
@@ -221,7 +221,8 @@ void bwd(const std::string& name, uintptr_t q, uintptr_t k, uintptr_t v, uintptr
          int seqlen_k, int head_dim, Strides qs, Strides ks, Strides vs, Strides os, Strides dos,
          Strides dqs, Strides dks, Strides dvs, double scale, bool causal, uintptr_t stream,
          uintptr_t dq_semaphore, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q,
-         int total_k) {
+         int total_k, int window_left, int window_right, double softcap, uintptr_t alibi_slopes,
+         int64_t alibi_batch_stride) {
   const KernelInfo& info = find_kernel(name, "bwd");
   if (dq_semaphore != 0 && info.family != 90) {
     throw std::invalid_argument("kernel '" + name +
@@ -231,6 +232,7 @@ void bwd(const std::string& name, uintptr_t q, uintptr_t k, uintptr_t v, uintptr
   fill_common(p, info, q, k, v, o, lse, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim,
               qs, ks, vs, os, scale, causal);
   fill_packed(p, info, "bwd", cu_seqlens_q, cu_seqlens_k, total_q, total_k);
+  fill_features(p, info, window_left, window_right, softcap, alibi_slopes, alibi_batch_stride);
   p.dout = reinterpret_cast<const void*>(dout);
   p.dq = reinterpret_cast<void*>(dq);
   p.dk = reinterpret_cast<void*>(dk);
@@ -289,5 +291,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("dout_strides"), py::arg("dq_strides"), py::arg("dk_strides"),
         py::arg("dv_strides"), py::arg("scale"), py::arg("causal"), py::arg("stream"),
         py::arg("dq_semaphore") = 0, py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0,
-        py::arg("total_q") = 0, py::arg("total_k") = 0);
+        py::arg("total_q") = 0, py::arg("total_k") = 0, py::arg("window_left") = -1,
+        py::arg("window_right") = -1, py::arg("softcap") = 0.0, py::arg("alibi_slopes") = 0,
+        py::arg("alibi_batch_stride") = 0);
 }

@@ -87,11 +87,14 @@ def test_attention_features_default_to_the_triton_family_on_a_gpu(features):
             assert "the Hopper kernels first (forward and backward), then the Triton family" in sel.detail
             assert _resolve.default_order(HOPPER, pv) == _resolve.HOPPER_VARLEN_ORDER
         p = dataclasses.replace(p, dropout=True)  # with dropout: the Triton family first
-    elif not p.dropout:  # windows, softcap, ALiBi: the Hopper forward first (cannot run here)
-        assert "the Hopper forward first, then the Triton family" in sel.detail
-        assert _resolve.default_order(HOPPER, p) == _resolve.HOPPER_FEATURE_FWD_ORDER
-        p = dataclasses.replace(p, op="bwd")
-    for op in (("fwd", "bwd") if p.dropout else ("bwd",)):
+    elif not p.dropout:  # windows, softcap, ALiBi: the Hopper kernels first (cannot run here)
+        for op in ("fwd", "bwd"):
+            pv = dataclasses.replace(p, op=op)
+            sel = _resolve.heuristic_default(pv, HOPPER, registered=reg)
+            assert "the Hopper kernels first (forward and backward), then the Triton family" in sel.detail
+            assert _resolve.default_order(HOPPER, pv) == _resolve.HOPPER_FEATURE_FWD_ORDER
+        p = dataclasses.replace(p, dropout=True)  # with dropout: the Triton family first
+    for op in ("fwd", "bwd"):
         p = dataclasses.replace(p, op=op)
         assert "Triton family" in _resolve.heuristic_default(p, HOPPER, registered=reg).detail
         assert _resolve.default_order(HOPPER, p) == _resolve.FEATURE_DEFAULT_ORDER
@@ -136,8 +139,8 @@ def test_packed_sequences_on_hopper_default_to_the_hopper_family():
         sel = _resolve.heuristic_default(q, HOPPER, registered=reg)
         assert sel.candidate.backend == "spark" and "the Hopper kernels first" in sel.detail, (q, sel)
         assert _resolve.default_order(HOPPER, q) == _resolve.HOPPER_VARLEN_ORDER
-    # another GPU, dropout with it, or the backward of a call with a window too: the Triton
-    # family; the forward of a call with a window too: the Hopper forward (the features' order)
+    # another GPU, or dropout with it: the Triton family; with a window too: the Hopper
+    # kernels (the features' order), forward and backward
     for q in ops:
         for other, device in ((q, dataclasses.replace(HOPPER, capability=(8, 0))),
                               (dataclasses.replace(q, dropout=True), HOPPER)):
@@ -147,7 +150,8 @@ def test_packed_sequences_on_hopper_default_to_the_hopper_family():
     assert sel.candidate.backend == "spark" and "windows, soft-capping or ALiBi" in sel.detail, sel
     for q in ops[1:]:
         other = dataclasses.replace(q, window_left=256)
-        assert _resolve.heuristic_default(other, HOPPER, registered=reg).candidate.backend == "triton"
+        sel = _resolve.heuristic_default(other, HOPPER, registered=reg)
+        assert sel.candidate.backend == "spark" and "windows, soft-capping or ALiBi" in sel.detail, sel
     # a spark build without the packed backward: the forward stays on it, the backward moves on
     reg["spark"] = _StandInHopperForwardOnly()
     assert _resolve.heuristic_default(p, HOPPER, registered=reg).candidate.backend == "spark"
@@ -160,10 +164,10 @@ def test_packed_sequences_on_hopper_default_to_the_hopper_family():
                                       dict(softcap=True), dict(alibi=True),
                                       dict(window_left=1023, softcap=True, alibi=True)])
 def test_window_softcap_alibi_forward_on_hopper_defaults_to_the_hopper_family(features):
-    """Windows, soft-capping and ALiBi (alone or together): on sm_90 the forward tries the
-    Hopper forward first (HOPPER_FEATURE_FWD_ORDER), the backward the Triton family
-    (FEATURE_DEFAULT_ORDER; the family 90 backward has none of them); with dropout, and on
-    other GPUs, the Triton family first for both."""
+    """Windows, soft-capping and ALiBi (alone or together): on sm_90 the forward and the
+    backward try the Hopper kernels first (HOPPER_FEATURE_FWD_ORDER); where the spark backend
+    has no such backward (a build without bwd_sm90 kernels), the Triton family runs it; with
+    dropout, and on other GPUs, the Triton family first for both."""
     reg = {**_registered(), "triton": _StandInTriton(), "spark": _StandInHopperForwardOnly()}
     kw = dict(dtype="bfloat16", heads_q=16, heads_kv=16, head_dim=128, causal=True)
     p = problem(**{**kw, **features})
@@ -171,9 +175,12 @@ def test_window_softcap_alibi_forward_on_hopper_defaults_to_the_hopper_family(fe
     assert _resolve.HOPPER_FEATURE_FWD_ORDER[0] == "spark"
     sel = _resolve.heuristic_default(p, HOPPER, registered=reg)
     assert sel.candidate.backend == "spark" and sel.source == "default", sel
-    assert "windows, soft-capping or ALiBi on sm_90: the Hopper forward first" in sel.detail
+    assert "windows, soft-capping or ALiBi on sm_90: the Hopper kernels first" in sel.detail
     bwd = dataclasses.replace(p, op="bwd")
-    assert _resolve.default_order(HOPPER, bwd) == _resolve.FEATURE_DEFAULT_ORDER
+    assert _resolve.default_order(HOPPER, bwd) == _resolve.HOPPER_FEATURE_FWD_ORDER
+    sel = _resolve.heuristic_default(bwd, HOPPER, registered={**reg, "spark": _StandInHopper()})
+    assert sel.candidate.backend == "spark", sel
+    # (the forward-only stand-in: the backward moves on to the Triton family)
     assert _resolve.heuristic_default(bwd, HOPPER, registered=reg).candidate.backend == "triton"
     dropout = dataclasses.replace(p, dropout=True)
     assert _resolve.default_order(HOPPER, dropout) == _resolve.FEATURE_DEFAULT_ORDER

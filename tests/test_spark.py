@@ -148,8 +148,8 @@ def test_packed_problems_run_on_the_hopper_family_only():
 )
 def test_window_softcap_alibi_run_on_the_hopper_forward_only(features, text):
     """window, softcap and alibi are declared by the backend, alone or together (and with
-    packed sequences); the family 90 forward takes them, every other kernel says which it lacks
-    and where they run."""
+    packed sequences); the family 90 forward and backward take them, every other kernel says
+    which it lacks and where they run."""
     import dataclasses
 
     b = SparkBackend()
@@ -159,12 +159,14 @@ def test_window_softcap_alibi_run_on_the_hopper_forward_only(features, text):
                 False, **{k: v for k, v in features.items() if k != "causal"})
     assert b.feature_reasons(p) == []
     k90 = dict(dtype="bfloat16", head_dim=128, accum=32, family=90, op="fwd")
+    bwd = dataclasses.replace(p, op="bwd")
     assert b._config_reasons(p, k90, None) == []
+    assert b._config_reasons(bwd, {**k90, "op": "bwd"}, None) == []
     for kernel, problem in (({**k90, "family": 80}, p), ({**k90, "family": 70}, p),
-                            ({**k90, "op": "bwd"}, dataclasses.replace(p, op="bwd"))):
+                            ({**k90, "family": 80, "op": "bwd"}, bwd)):
         reasons = b._config_reasons(problem, kernel, None)
-        want = (f"{text} run on the family 90 forward only (fwd_sm90_*, sm_90); this is a family "
-                f"{kernel['family']} {kernel['op']} kernel")
+        want = (f"{text} run on the family 90 forward and backward only (fwd_sm90_*, bwd_sm90_*, "
+                f"sm_90); this is a family {kernel['family']} {kernel['op']} kernel")
         assert want in reasons, reasons
     # dropout is not the backend's: refused before any kernel is asked
     dropout = dataclasses.replace(p, dropout=True)

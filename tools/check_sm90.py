@@ -77,6 +77,14 @@ def parse_ptxas(log: str, entry: str | None = None) -> dict:
     return out
 
 
+def parse_ptxas_entries(log: str, entry: str) -> list[dict]:
+    """:func:`parse_ptxas` of every entry whose mangled name contains ``entry`` (the backward
+    kernel has two instantiations: plain, and with soft-capping or ALiBi), in log order."""
+    parts = re.split(r"(?=ptxas info\s*: Compiling entry function )", log)
+    mine = [part for part in parts if part.startswith("ptxas info") and entry in part.split("\n")[0]]
+    return [parse_ptxas(part) for part in mine] or [parse_ptxas(log, entry)]
+
+
 def register_pool_reasons(ptx: str, registers: int | None, threads: int) -> list[str]:
     """Why the setmaxnreg requests of a kernel cannot all be granted (empty: they can). The
     block is launched with ptxas's register count for every thread (rounded up to 8, the
@@ -257,16 +265,26 @@ def check_kernel(name: str, gen: Path, nvcc: Path, includes: list[Path],
         return False, f"{name}: FAIL: sm_90a build error\n{res.stderr[-3000:]}"
     # the kernel entry's report (the register function of the .cu has no device code)
     log = res.stdout + res.stderr
-    st = parse_ptxas(log, "sm90_bwd_kernel" if name.startswith("bwd_") else "sm90_fwd_kernel")
+    # every instantiation of the kernel entry (the backward's plain one and the one with
+    # soft-capping and ALiBi): each is judged; the line shows the worst
+    entries = parse_ptxas_entries(
+        log, "sm90_bwd_kernel" if name.startswith("bwd_") else "sm90_fwd_kernel")
     reasons = []
-    if (st["spill_stores"] or 0) + (st["spill_loads"] or 0):
-        reasons.append(f"spills {st['spill_stores']} B stores / {st['spill_loads']} B loads")
-    if st["stack_frame"]:
-        reasons.append(f"{st['stack_frame']} B stack frame")
-    if st["registers"] is None:
-        reasons.append("no ptxas report of the kernel")
+    for i, one in enumerate(entries):
+        which = f"entry {i + 1} of {len(entries)}: " if len(entries) > 1 else ""
+        if (one["spill_stores"] or 0) + (one["spill_loads"] or 0):
+            reasons.append(f"{which}spills {one['spill_stores']} B stores / {one['spill_loads']} B loads")
+        if one["stack_frame"]:
+            reasons.append(f"{which}{one['stack_frame']} B stack frame")
+        if one["registers"] is None:
+            reasons.append(f"{which}no ptxas report of the kernel")
+    st = max(entries, key=lambda e: ((e["spill_stores"] or 0) + (e["spill_loads"] or 0),
+                                     e["stack_frame"] or 0, e["registers"] or 0))
     if threads is not None:
-        reasons += register_pool_reasons(text, st["registers"], threads)
+        for one in entries:
+            for why in register_pool_reasons(text, one["registers"], threads):
+                if why not in reasons:
+                    reasons.append(why)
     if not n_wgmma:
         reasons.append("no wgmma.mma_async in the PTX")
     if not n_tma:

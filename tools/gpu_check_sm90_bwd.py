@@ -25,7 +25,11 @@ keeps the first pass's results. Then packed sequences (PACKED: odd lengths start
 a tile, an empty sequence, queries without keys and keys without queries, seqlen_q != seqlen_k,
 GQA; "pk def" and "pk det" lines), the same two modes and rules, the baseline the worst of each
 sequence's own PyTorch error and the gradients compared over the packed rows (a FAIL's "row" is
-the packed row); --no-packed leaves them out.
+the packed row); --no-packed leaves them out. Then the attention features (FEATURE_SHAPES and
+FEATURE_VARLEN: sliding windows, soft-capping, ALiBi, together, packed; "ft def" and "ft det"
+lines), against float64 autograd through tests/_features_baseline.py's definition, the
+baseline the same definition's error in the kernel's dtype; --no-features leaves them out,
+--features-only runs only them.
 
 Speed (after correctness, within --speed-budget seconds, in its own subprocess): head dims 64
 and 128, causal and not, seqlen 2k/4k/8k/16k at 16k tokens, 12 heads, fp16. TFLOP/s of
@@ -75,6 +79,32 @@ PACKED = (
     ([5, 300, 64, 9, 0, 200], [700, 3, 64, 0, 33, 200], 8, 2),  # no key / no query; GQA 4:1
     ([333, 1], [129, 2048], 3, 1),  # MQA
 )
+#: attention features (docs/FEATURES.md): (batch, heads_q, heads_kv, seqlen_q, seqlen_k,
+#: causal, window, softcap, alibi (None, "h" (Hq,), "bh" (B, Hq)), scale (None: head_dim ** -0.5));
+#: windows on one side and on both, wider than the sequence, rows with no key at all (their
+#: gradients exact zeros), left-only windows (the deterministic order ascending from a key
+#: block past the first) and right-limited ones (descending), soft-capping, ALiBi, together
+FEATURE_SHAPES = (
+    (2, 4, 2, 1000, 1000, True, (255, -1), 0.0, None, None),
+    (1, 4, 4, 1000, 1000, False, (100, 37), 0.0, None, None),
+    (1, 4, 1, 777, 1000, False, (-1, 100), 0.0, None, None),
+    (1, 4, 4, 1000, 777, False, (300, -1), 0.0, None, None),
+    (2, 4, 4, 17, 17, True, (100, 100), 0.0, None, None),
+    (2, 4, 4, 1000, 100, False, (0, 0), 0.0, None, None),
+    (1, 8, 2, 4097, 4097, True, (1023, -1), 0.0, None, None),
+    (2, 8, 2, 1000, 1000, True, (-1, -1), 30.0, None, 0.5),
+    (1, 4, 4, 17, 1000, False, (-1, -1), 50.0, None, 0.5),
+    (2, 8, 8, 1000, 1000, True, (-1, -1), 0.0, "h", None),
+    (2, 4, 2, 777, 1000, False, (-1, -1), 0.0, "bh", None),
+    (1, 8, 2, 1537, 1537, True, (255, -1), 30.0, "bh", 0.4),
+    (2, 4, 4, 1000, 517, False, (64, 16), 5.0, "h", None),
+)
+#: packed feature cases: (query lengths, key lengths, heads_q, heads_kv, causal, window,
+#: softcap, alibi, scale)
+FEATURE_VARLEN = (
+    ((1, 17, 1000, 0, 4097, 128), (1, 17, 1000, 0, 4097, 128), 4, 4, True, (255, -1), 0.0, None, None),
+    ((5, 300, 64, 9), (700, 3, 64, 0), 8, 2, False, (32, 16), 30.0, "bh", 0.5),
+)
 FLOOR = 1e-5
 DET_RUNS = 3
 
@@ -108,14 +138,14 @@ def _max_err(a, ref) -> float:
 
 def _run_bwd(torch, spark, name, dout, q, k, v, out, lse, causal, scale, deterministic,
              packed=None):
-    """dq, dk, dv of one backward (``packed``: the cu_seqlens / max_seqlen arguments), as
-    (B, H, N, D) views (packed: (1, H, total, D))."""
+    """dq, dk, dv of one backward (``packed``: the cu_seqlens / max_seqlen arguments, and any
+    feature arguments), as (B, H, N, D) views (packed: (1, H, total, D))."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     kw = {"deterministic": True} if deterministic else {}
     spark.backward(dout, q, k, v, out, lse, dq, dk, dv, config=name, causal=causal, scale=scale,
                    **kw, **(packed or {}))
     torch.cuda.synchronize()
-    if packed:
+    if packed and "cu_seqlens_q" in packed:
         return tuple(t.transpose(0, 1).unsqueeze(0) for t in (dq, dk, dv))
     return dq, dk, dv
 
@@ -171,7 +201,8 @@ def _judge(grads, refs, bases, what, why: list[str], detail: list[str] | None = 
     return es
 
 
-def worker_check(name: str, max_shapes: int, packed: bool = True) -> int:
+def worker_check(name: str, max_shapes: int, packed: bool = True, features: bool = True,
+                 only_features: bool = False) -> int:
     """Print one PASS/FAIL line per (mode, shape, causal) for kernel ``name`` (the first
     ``max_shapes`` shapes), a FAIL line followed by where its first failing gradient is wrong;
     1 on any failure. Two passes over the shapes: the default mode (atomics in any order), then
@@ -298,14 +329,72 @@ def worker_check(name: str, max_shapes: int, packed: bool = True) -> int:
         args, refs, bases = case(shape, causal)
         return args, None, refs, bases
 
-    for mode in ("default", "deterministic"):
+    def feature_case(fcase, is_packed):
+        """(args of _run_bwd, the feature (and packed) arguments, refs, bases) of a feature
+        case: float64 gradients by autograd through tests/_features_baseline.py's definition
+        in float64, the baseline its error in the kernel's dtype; out and lse the float64
+        forward's (dense (B, H, N, D) in the (B, N, H, D) layout; packed as (1, H, total, D)
+        views)."""
+        key = ("features", repr(fcase), is_packed)
+        if key in cases:
+            return cases[key]
+        from tests._features_baseline import feature_attention
+
+        gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr((fcase, d, name)).encode()))
+        if is_packed:
+            lq, lk, hq, hk, causal, window, softcap, alibi, fscale = fcase
+            batch = len(lq)
+            cu = [torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32,
+                               device="cuda") for x in (lq, lk)]
+            q = torch.randn(sum(lq), hq, d, device="cuda", dtype=dtype, generator=gen)
+            k, v = (torch.randn(sum(lk), hk, d, device="cuda", dtype=dtype, generator=gen)
+                    for _ in range(2))
+            dout = torch.randn(sum(lq), hq, d, device="cuda", dtype=dtype, generator=gen)
+            extra = dict(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], max_seqlen_q=max(lq),
+                         max_seqlen_k=max(lk))
+            cuts = dict(cu_q=cu[0].tolist(), cu_k=cu[1].tolist())
+        else:
+            batch, hq, hk, nq, nk, causal, window, softcap, alibi, fscale = fcase
+            q = _make(torch, batch, hq, nq, d, "bnhd", dtype, gen)
+            k, v = (_make(torch, batch, hk, nk, d, "bnhd", dtype, gen) for _ in range(2))
+            dout = _make(torch, batch, hq, nq, d, "bnhd", dtype, gen)
+            extra, cuts = {}, {}
+        fscale = 1.0 / math.sqrt(d) if fscale is None else fscale
+        slopes = None
+        if alibi is not None:
+            slopes = torch.rand((hq,) if alibi == "h" else (batch, hq), generator=gen,
+                                device="cuda") * 0.2
+        fkw = dict(window=window, softcap=softcap, slopes=slopes, **cuts)
+
+        def grads(dt):
+            leaves = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+            with torch.enable_grad():
+                o, lse_ = feature_attention(*leaves, scale=fscale, causal=causal, **fkw)
+                return o.detach(), lse_.detach(), torch.autograd.grad(o, leaves, dout.to(dt))
+
+        ref_out, ref_lse, refs = grads(torch.float64)
+        _, _, lowp = grads(dtype)
+        bases = [_max_err(lowp[i], refs[i]) for i in range(3)]
+        extra.update(window=window)
+        if softcap:
+            extra["softcap"] = softcap
+        if slopes is not None:
+            extra["alibi_slopes"] = slopes
+        args = (torch, spark, name, dout, q, k, v, ref_out.to(dtype), ref_lse.float().contiguous(),
+                causal, fscale)
+        if is_packed:
+            refs = tuple(t.transpose(0, 1).unsqueeze(0) for t in refs)
+        cases[key] = (args, extra, refs, bases)
+        return cases[key]
+
+    for mode in ("default", "deterministic") if not only_features else ():
         for shape in SHAPES[:max_shapes]:
             b, hq, hk, nq, nk, layout = shape
             for causal in (False, True):
                 label = (f"{mode[:3]} {name} b{b} h{hq}/{hk} q{nq} k{nk} {layout} "
                          f"{'causal' if causal else 'full'}")
                 failed += not check(mode, label, lambda shape=shape, causal=causal: dense(shape, causal))
-    for mode in ("default", "deterministic") if packed else ():
+    for mode in ("default", "deterministic") if packed and not only_features else ():
         for case_ in PACKED:
             lq, lk, hq, hk = case_
             for causal in (False, True):
@@ -313,6 +402,19 @@ def worker_check(name: str, max_shapes: int, packed: bool = True) -> int:
                          f"{'causal' if causal else 'full'}")
                 failed += not check(mode, label,
                                     lambda case_=case_, causal=causal: packed_case(case_, causal))
+    fcases = [(c, False) for c in FEATURE_SHAPES] + [(c, True) for c in FEATURE_VARLEN if packed]
+    for mode in ("default", "deterministic") if features else ():
+        for fcase, is_packed in fcases:
+            if is_packed:
+                lq, lk, hq, hk, causal, window, softcap, alibi, _ = fcase
+                shape = f"pk h{hq}/{hk} q{list(lq)} k{list(lk)}"
+            else:
+                b, hq, hk, nq, nk, causal, window, softcap, alibi, _ = fcase
+                shape = f"b{b} h{hq}/{hk} q{nq} k{nk}"
+            label = (f"ft {mode[:3]} {name} {shape} {'causal' if causal else 'full'} "
+                     f"w={window} cap={softcap:g} alibi={alibi}")
+            failed += not check(mode, label, lambda fcase=fcase, is_packed=is_packed:
+                                feature_case(fcase, is_packed))
     return 1 if failed else 0
 
 
@@ -481,11 +583,16 @@ def main(argv=None) -> int:
                     help="check only the first N shapes of SHAPES (the first two are tiny)")
     ap.add_argument("--no-packed", action="store_true",
                     help="leave out the packed-sequence checks (PACKED)")
+    ap.add_argument("--no-features", action="store_true",
+                    help="leave out the attention-feature checks (FEATURE_SHAPES, FEATURE_VARLEN)")
+    ap.add_argument("--features-only", action="store_true",
+                    help="only the attention-feature checks")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--speed-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        return worker_check(args.worker, args.max_shapes, not args.no_packed)
+        return worker_check(args.worker, args.max_shapes, not args.no_packed,
+                            not args.no_features, args.features_only)
 
     log = Log(args.out)
     try:
@@ -538,6 +645,10 @@ def main(argv=None) -> int:
         worker = [*me, "--worker", name, "--max-shapes", str(args.max_shapes)]
         if args.no_packed:
             worker.append("--no-packed")
+        if args.no_features:
+            worker.append("--no-features")
+        if args.features_only:
+            worker.append("--features-only")
         lines, rc, why = _run_worker(worker, env, min(args.kernel_timeout, left), args.idle_timeout,
                                      log)
         fails = [ln for ln in lines if ln.startswith("FAIL")]

@@ -138,8 +138,8 @@ def _device_index_for(device: DeviceInfo) -> int | None:
     return int(idx) if idx is not None else None
 
 
-#: the features only the family 90 forward runs (its other kernels and every backward refuse
-#: them, with the reason; packed sequences run on the family 90 backward too)
+#: the features only the family 90 kernels run, forward and backward (the other families'
+#: kernels refuse them, with the reason; packed sequences too)
 _HOPPER_FWD_FEATURES = ("window", "softcap", "alibi")
 #: what the features are called in the reasons
 _FEATURE_TEXT = {
@@ -156,8 +156,7 @@ class SparkBackend(Backend):
     #: adds dQ in a fixed order when asked; the other families' backward kernels are refused),
     #: "varlen" (packed sequences: the family 90 forward and backward only) and "window",
     #: "softcap" and "alibi" (sliding windows, soft-capping and ALiBi: the family 90 forward
-    #: only, in any combination, packed or not; the backward of such a call runs on a backend
-    #: that has one, from this forward's output and log-sum-exp). Configurations listed in
+    #: and backward only, in any combination, packed or not, deterministic or not). Configurations listed in
     #: kernel_space.UNVERIFIED run only when forced by name.
     features = frozenset({"deterministic", "varlen", "window", "softcap", "alibi"})
 
@@ -222,13 +221,13 @@ class SparkBackend(Backend):
                 "packed sequences (varlen) run on the family 90 forward and backward only "
                 f"(fwd_sm90_*, bwd_sm90_*, sm_90); this is a family {k['family']} {k['op']} kernel"
             )
-        if problem.op != "fwd" or k["family"] != 90:
+        if problem.op not in ("fwd", "bwd") or k["family"] != 90:
             wanted = [f for f in _HOPPER_FWD_FEATURES if f in problem.features]
             if wanted:
                 what = " and ".join(_FEATURE_TEXT[f] for f in wanted)
                 reasons.append(
-                    f"{what} run on the family 90 forward only (fwd_sm90_*, sm_90); this is a "
-                    f"family {k['family']} {k['op']} kernel"
+                    f"{what} run on the family 90 forward and backward only (fwd_sm90_*, "
+                    f"bwd_sm90_*, sm_90); this is a family {k['family']} {k['op']} kernel"
                 )
         if device is not None:
             archs = k.get("archs") or (self.build_info() or {}).get("archs", [])
@@ -521,6 +520,9 @@ class SparkBackend(Backend):
         cu_seqlens_k: torch.Tensor | None = None,
         max_seqlen_q: int | None = None,
         max_seqlen_k: int | None = None,
+        window: tuple[int, int] | None = None,
+        softcap: float = 0.0,
+        alibi_slopes: torch.Tensor | None = None,
         **features: object,
     ) -> None:
         """Write the gradients of attention(q, k, v) for ``dout`` into dq, dk, dv (any strides
@@ -537,15 +539,24 @@ class SparkBackend(Backend):
         a training step's backward finds them read by its forward): a max length below a
         sequence's would leave gradient rows unwritten, and the deterministic counters
         overrun. Where there is no query or no key at all (a total or a max length 0) the
-        gradients are zeros and nothing is launched. No other feature is run here (dispatch
-        never sends one). Every argument is checked before the compiled module is reached:
-        what is wrong raises ``ValueError`` (CPU tensors among them)."""
+        gradients are zeros and nothing is launched. ``window``, ``softcap`` and
+        ``alibi_slopes`` as :meth:`forward` takes them (family 90 only, ``bwd_sm90_*``; the
+        forward's output and log-sum-exp must come from the same features). No other feature
+        is run here (dispatch never sends one: dropout). Every argument is checked before the
+        compiled module is reached: what is wrong raises ``ValueError`` (CPU tensors among
+        them)."""
         import torch
 
         if features:
             raise ValueError(
-                f"the spark backward runs packed sequences, deterministic mode and plain "
-                f"attention only, not {sorted(features)} (docs/FEATURES.md)"
+                f"the spark backward runs packed sequences, deterministic mode, sliding windows, "
+                f"softcap and ALiBi, not {sorted(features)} (docs/FEATURES.md)"
+            )
+        featured = window is not None or bool(softcap) or alibi_slopes is not None
+        if featured and not config.startswith("bwd_sm90_"):
+            raise ValueError(
+                f"{config}: sliding windows, softcap and ALiBi run on the family 90 backward "
+                "only (bwd_sm90_*)"
             )
         tensors = (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("dq", dq),
                    ("dk", dk), ("dv", dv))
@@ -596,6 +607,8 @@ class SparkBackend(Backend):
                 f"{config} adds dQ with float atomics in no fixed order: deterministic=True "
                 "needs a family 90 backward (bwd_sm90_*)"
             )
+        # the features' arguments, checked (as the forward checks them)
+        feat = _feature_args(window, softcap, alibi_slopes, b, hq, nq, nk, q.device) if featured else {}
         if packed and (total_q == 0 or total_k == 0 or nq == 0 or nk == 0):
             # no query or no key at all: every gradient is 0, nothing to launch
             for g in (dq, dk, dv):
@@ -647,6 +660,12 @@ class SparkBackend(Backend):
             dq_accum = torch.empty((b, hq, nq, d), device=q.device, dtype=torch.float32)
             dsum = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
             extra = {}
+        slopes = None
+        if featured:
+            slopes = feat.pop("alibi_slopes", None)  # held until the launch is queued
+            if slopes is not None:
+                feat["alibi_slopes"] = slopes.data_ptr()
+            extra.update(feat)
         stream = torch.cuda.current_stream(q.device).cuda_stream
         with torch.cuda.device(q.device):
             mod.bwd(

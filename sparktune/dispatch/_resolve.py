@@ -71,12 +71,12 @@ _TRITON_FIRST_FEATURES = frozenset({"window", "softcap", "alibi", "dropout", "va
 #: on an H200 says by how much, BENCHMARKS.md)
 HOPPER_VARLEN_ORDER = ("spark", "triton", "torch", "reference")
 _HOPPER_VARLEN_FEATURES = frozenset({"varlen", "deterministic"})
-#: the forward of sliding windows, soft-capping or ALiBi (packed or not; no dropout) on a Hopper
-#: GPU: the family 90 forward runs them (a window's key blocks skipped, softcap and ALiBi on the
-#: scores in registers), then the order above; dropout keeps FEATURE_DEFAULT_ORDER, and so does
-#: every backward (the family 90 backward has none of these features)
+#: the forward and the backward of sliding windows, soft-capping or ALiBi (packed or not,
+#: deterministic or not; no dropout) on a Hopper GPU: the family 90 kernels run them (a window's
+#: key blocks, or query blocks, skipped; softcap and ALiBi on the scores in registers), then the
+#: order above; dropout keeps FEATURE_DEFAULT_ORDER
 HOPPER_FEATURE_FWD_ORDER = ("spark", "triton", "torch", "reference")
-#: the features of a forward problem that the family 90 forward runs (any combination)
+#: the features of a forward or backward problem that the family 90 kernels run (any combination)
 _HOPPER_FWD_FEATURES = frozenset({"window", "softcap", "alibi", "varlen", "deterministic"})
 #: those that make the Hopper order HOPPER_FEATURE_FWD_ORDER (without them: packed sequences
 #: alone, HOPPER_VARLEN_ORDER)
@@ -223,8 +223,8 @@ def heuristic_default(
             )
         elif kind == "hopper-features":
             why = (
-                "windows, soft-capping or ALiBi on sm_90: the Hopper forward first, then the "
-                "Triton family: no record reaches this shape"
+                "windows, soft-capping or ALiBi on sm_90: the Hopper kernels first (forward and "
+                "backward), then the Triton family: no record reaches this shape"
             )
         elif kind == "features":
             why = "with attention features the Triton family comes first: no record reaches this shape"
@@ -244,7 +244,7 @@ def _default_kind(device: DeviceInfo | None, problem: Problem | None) -> str:
         if device.arch == 90:
             feats = problem.features
             if feats & _HOPPER_SCORE_FEATURES:
-                if problem.op == "fwd" and feats <= _HOPPER_FWD_FEATURES:
+                if problem.op in ("fwd", "bwd") and feats <= _HOPPER_FWD_FEATURES:
                     return "hopper-features"
             elif (
                 problem.op in ("fwd", "bwd")

@@ -152,39 +152,62 @@ CUTE_DEVICE void bulk_wait_complete() {
   asm volatile("fence.proxy.async.global;" : : : "memory");
 }
 
-// The query row blocks a key block sees: [m_begin, m_blocks). Causal (bottom-right): key j is
-// seen by rows i >= j - (seqlen_k - seqlen_q). The lengths are the block's sequence's (packed:
-// its own, else the problem's).
+// The band of a sequence (docs/FEATURES.md; the forward's): row i sees key j of [0, seqlen_k)
+// iff i + diag - left <= j <= i + diag + right, diag = seqlen_k - seqlen_q. Causal is right = 0;
+// a side that is unlimited (-1) or reaches past every key is the width that just reaches them
+// all (left = seqlen_k, right = seqlen_q), so that the bounds stay small integers and the plain
+// problem is the band that holds every (row, key).
+CUTE_DEVICE int band_left(BwdParams const& p, int seqlen_k) {
+  return p.window_left >= 0 && p.window_left < seqlen_k ? p.window_left : seqlen_k;
+}
+CUTE_DEVICE int band_right(BwdParams const& p, int seqlen_q) {
+  return p.causal ? 0 : p.window_right >= 0 && p.window_right < seqlen_q ? p.window_right : seqlen_q;
+}
+// Deterministic mode: whether the key blocks add a row block's dQ from the last one down (a
+// band limited on the right: causal, or a window's right side), with the grid launched from
+// the last key block; else from the first one up. One rule for the whole launch.
+CUTE_DEVICE bool bwd_descending(BwdParams const& p) { return p.causal || p.window_right >= 0; }
+
+// The query row blocks a key block sees: [m_begin, m_end), those with a row whose band meets
+// one of the block's keys (the keys past seqlen_k left out). Causal (bottom-right): key j is
+// seen by rows i >= j - (seqlen_k - seqlen_q); a window's left side also bounds the rows from
+// above (i <= j - diag + left). The lengths are the block's sequence's (packed: its own, else
+// the problem's).
 struct BwdWalk {
-  int m_begin, m_blocks;
+  int m_begin, m_end;
   CUTE_DEVICE BwdWalk(BwdParams const& p, int seqlen_q, int seqlen_k, int n_block, int block_m,
                       int block_n) {
-    m_blocks = (seqlen_q + block_m - 1) / block_m;
-    m_begin = 0;
-    if (p.causal) {
-      const int first_row = n_block * block_n - (seqlen_k - seqlen_q);
-      m_begin = first_row <= 0 ? 0 : first_row / block_m;
-    }
+    const int diag = seqlen_k - seqlen_q;
+    const int key0 = n_block * block_n;
+    const int key_last = min(key0 + block_n, seqlen_k) - 1;
+    const int first_row = key0 - diag - band_right(p, seqlen_q);  // <= seqlen_q - 1
+    const int last_row = key_last - diag + band_left(p, seqlen_k);
+    m_begin = first_row <= 0 ? 0 : first_row / block_m;
+    m_end = last_row < 0 ? 0 : min((seqlen_q + block_m - 1) / block_m, last_row / block_m + 1);
   }
-  CUTE_DEVICE bool empty() const { return m_begin >= m_blocks; }
+  CUTE_DEVICE bool empty() const { return m_begin >= m_end; }
   // Deterministic mode: the place of key block n_block among the key blocks that add to row
-  // block m. Non-causal: every key block, ascending. Causal: the key blocks 0 .. n_last(m) that
-  // see the row block, descending (n_last(m) first: it reaches row block m on its first step).
-  // Either way a key block waits only for key blocks of the same (kv head, batch) with a lower
-  // blockIdx.x (the causal grid is reversed), which the hardware dispatches first: they are
-  // resident or finished even when the grid is larger than what fits at once, and the first
-  // in the order never waits. Packed: the key blocks of the block's sequence (those past it
-  // return at once and take no turn).
+  // block m, [n_first(m), n_last(m)] (exactly those whose walk holds m). Ascending (a band
+  // unlimited on the right): n_first first. Descending (bwd_descending): n_last first, which
+  // reaches row block m on its first step. Either way a key block waits only for key blocks
+  // of the same (kv head, batch) with a lower blockIdx.x (the descending grid is reversed),
+  // which the hardware dispatches first: they are resident or finished even when the grid is
+  // larger than what fits at once, and the first in the order never waits. Packed: the key
+  // blocks of the block's sequence (those past it return at once and take no turn).
   CUTE_DEVICE static int turn(BwdParams const& p, int seqlen_q, int seqlen_k, int n_block, int m,
                               int block_m, int block_n) {
-    if (!p.causal) return n_block;
-    const int n_blocks = (seqlen_k + block_n - 1) / block_n;
-    const int last_row = min((m + 1) * block_m, seqlen_q) - 1;
-    const int n_last = min(n_blocks - 1, (last_row + seqlen_k - seqlen_q) / block_n);
-    return n_last - n_block;
+    const int diag = seqlen_k - seqlen_q;
+    if (bwd_descending(p)) {
+      const int n_blocks = (seqlen_k + block_n - 1) / block_n;
+      const int last_row = min((m + 1) * block_m, seqlen_q) - 1;
+      const int n_last = min(n_blocks - 1, (last_row + diag + band_right(p, seqlen_q)) / block_n);
+      return n_last - n_block;
+    }
+    const int lo = m * block_m + diag - band_left(p, seqlen_k);  // the first row's first key
+    return n_block - (lo <= 0 ? 0 : lo / block_n);
   }
   // steps of the whole walk: every query head of the group times the row blocks
-  CUTE_DEVICE int steps(int group) const { return empty() ? 0 : group * (m_blocks - m_begin); }
+  CUTE_DEVICE int steps(int group) const { return empty() ? 0 : group * (m_end - m_begin); }
 };
 
 // Step t of the walk, worked out from t alone (so that producer and consumers keep one counter
@@ -194,7 +217,7 @@ template <int kStages>
 struct BwdStep {
   int g, m, stage, phase, buf;
   CUTE_DEVICE BwdStep(BwdWalk const& walk, int t) {
-    const int per_head = walk.m_blocks - walk.m_begin;
+    const int per_head = walk.m_end - walk.m_begin;
     g = t / per_head;
     m = walk.m_begin + (t - g * per_head);
     stage = t % kStages;
@@ -205,7 +228,9 @@ struct BwdStep {
 
 }  // namespace sm90
 
-template <class Traits>
+// kScoreMods: the instantiation for calls with soft-capping or ALiBi (the launch picks it; the
+// other one has no code for them, so that their register allocation is the plain kernel's)
+template <class Traits, bool kScoreMods>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     sm90_bwd_kernel(__grid_constant__ const Sm90BwdArgs<Traits> args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -243,8 +268,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const Storage st{smem_raw + sm90::align_pad<Traits::kSmemAlign>(smem_raw)};
 
   const bool deterministic = p.dq_semaphore != nullptr;
-  // deterministic causal: the grid runs from the last key block (see BwdWalk::turn)
-  const int n_block = deterministic && p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  // deterministic and limited on the right (causal, a window): the grid runs from the last key
+  // block (see BwdWalk::turn)
+  const int n_block =
+      deterministic && sm90::bwd_descending(p) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int kv_head = blockIdx.y;
   const int batch = blockIdx.z;
   const int key0 = n_block * kBlockN;
@@ -467,14 +494,24 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     sm90::wgmma_gemm<true, Traits::kKvRegs>(mma_sdp, tSrK, tSrQ(_, _, _, at.stage), acc_s);
     sm90::wgmma_gemm<true, Traits::kKvRegs>(mma_sdp, tPrV, tPrDo(_, _, _, at.stage), acc_dp);
   };
+  // The band of the block's sequence (sm90::band_left/right) and the score features
+  // (docs/FEATURES.md; the forward's definitions): softcap > 0 makes the score of q.k
+  // softcap * tanh(q.k * scale / softcap), ALiBi then adds -slope * |i + diag - j| with the
+  // slope of the step's query head.
+  // (Worked out from the parameters at each step, where they are used: no registers held.)
   // P^T = exp2(S^T * scale_log2 - lse_log2), zero where the key is not visible, then dS^T =
   // P^T * (dP^T - D), in the accumulators of step `at`: S^T's batch is complete once at most
   // wait_s batches are pending, dP^T's once wait_dp are (the batches issued after them).
   auto softmax_ds = [&](Step const& at, auto& acc_s, auto& acc_dp, auto wait_s, auto wait_dp) {
     const int row0 = at.m * kBlockM;
+    const int left = sm90::band_left(p, seqlen_k);
+    const int right = sm90::band_right(p, seqlen_q);
+    const bool softcap_on = kScoreMods && p.softcap > 0.f;
+    const bool alibi_on = kScoreMods && p.alibi_slopes != nullptr;
     float const* lse_s = st.stats(at.buf);
     float const* d_s = lse_s + kBlockM;
     Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
+    Tensor dp_rc = make_tensor(acc_dp.data(), sm90::rowcol_view(acc_dp.layout()));
     // the statistics of this thread's columns (queries; the same in every row of the view)
     // into registers while the products run
     constexpr int kCols = decltype(size<1>(s_rc))::value;
@@ -490,11 +527,91 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         dst[c + 1] = v.y;
       }
     };
+    // a key of the tile outside some row's band (the key tail, the band's right edge, its left
+    // edge; the rows past seqlen_q need no mask: their P^T is 0 through lse = +inf)
+    const int row_last = min(row0 + kBlockM, seqlen_q) - 1;
+    const bool masked = key0 + kBlockN > seqlen_k || key0 + kBlockN - 1 > row0 + diag + right ||
+                        key0 < row_last + diag - left;
+    if constexpr (kScoreMods) {
+      // Scores changed by the features (this instantiation runs only calls with softcap or
+      // ALiBi on): S^T, dP^T and the statistics first, then one pass per element. The score
+      // is tanh(q.k softcap_in) (soft-capped; exponent multiplier softcap log2 e) or q.k (scale
+      // log2 e); ALiBi's term in the exponent's units is its slope times log2 e times the
+      // distance (the multiplier cancels the forward's division of the slope by softcap or by
+      // scale). Soft-capping's derivative 1 - t^2 goes into dP^T - D where its tanh is at hand.
+      const float mult = softcap_on ? p.softcap_log2 : p.scale_log2;
+      const float cap_in = p.softcap_in;
+      const float alibi_log2 =
+          alibi_on ? p.alibi_slopes[int64_t(batch) * p.alibi_batch_stride + kv_head * p.group +
+                                    at.g] * kLog2e
+                   : 0.f;
+      warpgroup_wait<decltype(wait_dp)::value>();  // S^T and dP^T are done
+      warpgroup_fence_operand(acc_s);
+      warpgroup_fence_operand(acc_dp);
+      // |i + diag - j| for query i = row0 + qi, key j: the thread's distance at its first
+      // column, plus each element's column offset from it (a constant); exact below 2^24
+      const int col_base = get<1>(c_rc(0, 0));
+      // Two passes with a fence between, so that ptxas keeps no tile-wide temporaries in flight
+      // (one pass spilled at head dim 128): dP^T - D (times 1 - t^2, t in S^T's registers),
+      // then the exponentials and dS^T. Column pairs outermost, each pair's statistics read
+      // from shared memory there (not held for the whole tile).
+      CUTE_UNROLL
+      for (int c0 = 0; c0 < kCols; c0 += 2) {
+        const float2 d2 = *reinterpret_cast<float2 const*>(d_s + get<1>(c_rc(0, c0)));
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(s_rc); ++r) {
+          CUTE_UNROLL
+          for (int c = c0; c < c0 + 2; ++c) {
+            const float dpd = dp_rc(r, c) - (c == c0 ? d2.x : d2.y);
+            if (softcap_on) {
+              const float t = sm90::tanh_approx(s_rc(r, c) * cap_in);
+              s_rc(r, c) = t;
+              dp_rc(r, c) = dpd * fmaf(-t, t, 1.f);
+            } else {
+              dp_rc(r, c) = dpd;
+            }
+          }
+        }
+      }
+      warpgroup_fence_operand(acc_s);
+      warpgroup_fence_operand(acc_dp);
+      auto pass = [&](auto mask_tag) {
+        constexpr bool kMask = decltype(mask_tag)::value;
+        CUTE_UNROLL
+        for (int c0 = 0; c0 < kCols; c0 += 2) {
+          const float2 lse2 = *reinterpret_cast<float2 const*>(lse_s + get<1>(c_rc(0, c0)));
+          CUTE_UNROLL
+          for (int r = 0; r < size<0>(s_rc); ++r) {
+            const int key = key0 + get<0>(c_rc(r, 0));
+            const float dist0 = float(row0 + col_base + diag - key);
+            const int lo_q = key - row0 - diag - right;  // hidden: qi < lo_q or qi > hi_q
+            const int hi_q = key - row0 - diag + left;
+            CUTE_UNROLL
+            for (int c = c0; c < c0 + 2; ++c) {
+              const int qi = get<1>(c_rc(r, c));
+              float bias = c == c0 ? -lse2.x : -lse2.y;
+              if (alibi_on) bias = fmaf(-alibi_log2, fabsf(dist0 + float(qi - col_base)), bias);
+              float e = exp2f(fmaf(s_rc(r, c), mult, bias));
+              if constexpr (kMask) {
+                const bool hidden = (key >= seqlen_k) | (qi < lo_q) | (qi > hi_q);
+                e = hidden ? 0.f : e;
+              }
+              s_rc(r, c) = e;
+              dp_rc(r, c) *= e;
+            }
+          }
+        }
+      };
+      if (masked) {
+        pass(cute::true_type{});
+      } else {
+        pass(cute::false_type{});
+      }
+      return;
+    }
     load_pairs(lse_r, lse_s);
     warpgroup_wait<decltype(wait_s)::value>();  // S^T is done
     warpgroup_fence_operand(acc_s);
-    const bool masked =
-        key0 + kBlockN > seqlen_k || (p.causal && key0 + kBlockN - 1 > row0 + diag);
     if (!masked) {
       CUTE_UNROLL
       for (int r = 0; r < size<0>(s_rc); ++r) {
@@ -508,11 +625,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       CUTE_UNROLL
       for (int r = 0; r < size<0>(s_rc); ++r) {
         const int key = key0 + get<0>(c_rc(r, 0));
-        const int last = p.causal ? key - row0 - diag : 0;  // causal: hidden below query `last`
+        // hidden left of query lo_q (the band's right edge; causal: the diagonal) and right of
+        // query hi_q (its left edge)
+        const int lo_q = key - row0 - diag - right;
+        const int hi_q = key - row0 - diag + left;
         CUTE_UNROLL
         for (int c = 0; c < size<1>(s_rc); ++c) {
           const int qi = get<1>(c_rc(r, c));
-          const bool hidden = (key >= seqlen_k) | (qi < last);
+          const bool hidden = (key >= seqlen_k) | (qi < lo_q) | (qi > hi_q);
           const float e = exp2f(fmaf(s_rc(r, c), p.scale_log2, -lse_r[c]));
           s_rc(r, c) = hidden ? 0.f : e;
         }
@@ -521,7 +641,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     load_pairs(d_r, d_s);
     warpgroup_wait<decltype(wait_dp)::value>();  // dP^T is done
     warpgroup_fence_operand(acc_dp);
-    Tensor dp_rc = make_tensor(acc_dp.data(), sm90::rowcol_view(acc_dp.layout()));
     CUTE_UNROLL
     for (int r = 0; r < size<0>(dp_rc); ++r) {
       CUTE_UNROLL

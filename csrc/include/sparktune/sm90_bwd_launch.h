@@ -31,8 +31,12 @@ cudaError_t launch_sm90_bwd(BwdParams const& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   constexpr int kSmem = Traits::kSmemBytes;
-  auto kernel = &sm90_bwd_kernel<Traits>;
-  if (cudaError_t err = ensure_smem_limit<&sm90_bwd_kernel<Traits>>(kSmem); err != cudaSuccess) {
+  // soft-capping or ALiBi: the instantiation with their code (windows run on either)
+  const bool score_mods = p.softcap > 0.f || p.alibi_slopes != nullptr;
+  auto kernel = score_mods ? &sm90_bwd_kernel<Traits, true> : &sm90_bwd_kernel<Traits, false>;
+  if (cudaError_t err = score_mods ? ensure_smem_limit<&sm90_bwd_kernel<Traits, true>>(kSmem)
+                                   : ensure_smem_limit<&sm90_bwd_kernel<Traits, false>>(kSmem);
+      err != cudaSuccess) {
     return err;
   }
   const int rows_q = packed ? p.total_q : p.seqlen_q;
