@@ -41,6 +41,24 @@ def test_parse_ptxas_picks_the_named_entry():
     assert check.parse_ptxas(log)["registers"] == 24
 
 
+def test_parse_ptxas_entries_judges_every_instantiation():
+    # the Hopper backward unit holds three instantiations of the kernel (plain, a window,
+    # softcap/ALiBi): a spill in any of them must be seen
+    entry = ("ptxas info    : Compiling entry function '_Z15sm90_bwd_kernelILi{m}E' for 'sm_90a'\n"
+             "ptxas info    : Function properties for _Z15sm90_bwd_kernelILi{m}E\n"
+             "    {f} bytes stack frame, {st} bytes spill stores, {ld} bytes spill loads\n"
+             "ptxas info    : Used 168 registers, used 11 barriers\n")
+    log = ("ptxas info    : Compiling entry function '_Z21bwd_convert_dq_kernel' for 'sm_90a'\n"
+           "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+           "ptxas info    : Used 24 registers, used 0 barriers\n"
+           + entry.format(m=0, f=0, st=0, ld=0) + entry.format(m=1, f=0, st=0, ld=0)
+           + entry.format(m=2, f=8, st=4, ld=4))
+    got = check.parse_ptxas_entries(log, "sm90_bwd_kernel")
+    assert [e["spill_stores"] for e in got] == [0, 0, 4]
+    assert [e["registers"] for e in got] == [168, 168, 168]
+    assert check.parse_ptxas(log, "sm90_bwd_kernel")["spill_stores"] == 0  # the first only
+
+
 def test_space_has_sm90_entries():
     from sparktune.kernels import kernel_space
 

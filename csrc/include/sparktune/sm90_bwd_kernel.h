@@ -163,6 +163,10 @@ CUTE_DEVICE int band_left(BwdParams const& p, int seqlen_k) {
 CUTE_DEVICE int band_right(BwdParams const& p, int seqlen_q) {
   return p.causal ? 0 : p.window_right >= 0 && p.window_right < seqlen_q ? p.window_right : seqlen_q;
 }
+// The backward kernel's instantiations (sm90_bwd_kernel's kMode): no feature; a sliding
+// window; soft-capping or ALiBi, with or without a window.
+enum BwdMode : int { kBwdPlain = 0, kBwdBand = 1, kBwdScores = 2 };
+
 // Deterministic mode: whether the key blocks add a row block's dQ from the last one down (a
 // band limited on the right: causal, or a window's right side), with the grid launched from
 // the last key block; else from the first one up. One rule for the whole launch.
@@ -172,37 +176,53 @@ CUTE_DEVICE bool bwd_descending(BwdParams const& p) { return p.causal || p.windo
 // one of the block's keys (the keys past seqlen_k left out). Causal (bottom-right): key j is
 // seen by rows i >= j - (seqlen_k - seqlen_q); a window's left side also bounds the rows from
 // above (i <= j - diag + left). The lengths are the block's sequence's (packed: its own, else
-// the problem's).
+// the problem's). kFeatures: the kernel instantiation with windows; without, the plain rule
+// alone (causal or not), in the code the plain kernel always had.
+template <bool kFeatures>
 struct BwdWalk {
   int m_begin, m_end;
   CUTE_DEVICE BwdWalk(BwdParams const& p, int seqlen_q, int seqlen_k, int n_block, int block_m,
                       int block_n) {
     const int diag = seqlen_k - seqlen_q;
     const int key0 = n_block * block_n;
-    const int key_last = min(key0 + block_n, seqlen_k) - 1;
-    const int first_row = key0 - diag - band_right(p, seqlen_q);  // <= seqlen_q - 1
-    const int last_row = key_last - diag + band_left(p, seqlen_k);
-    m_begin = first_row <= 0 ? 0 : first_row / block_m;
-    m_end = last_row < 0 ? 0 : min((seqlen_q + block_m - 1) / block_m, last_row / block_m + 1);
+    if constexpr (kFeatures) {
+      const int key_last = min(key0 + block_n, seqlen_k) - 1;
+      const int first_row = key0 - diag - band_right(p, seqlen_q);  // <= seqlen_q - 1
+      const int last_row = key_last - diag + band_left(p, seqlen_k);
+      m_begin = first_row <= 0 ? 0 : first_row / block_m;
+      m_end = last_row < 0 ? 0 : min((seqlen_q + block_m - 1) / block_m, last_row / block_m + 1);
+    } else {
+      m_end = (seqlen_q + block_m - 1) / block_m;
+      m_begin = 0;
+      if (p.causal) {
+        const int first_row = key0 - diag;
+        m_begin = first_row <= 0 ? 0 : first_row / block_m;
+      }
+    }
   }
   CUTE_DEVICE bool empty() const { return m_begin >= m_end; }
   // Deterministic mode: the place of key block n_block among the key blocks that add to row
   // block m, [n_first(m), n_last(m)] (exactly those whose walk holds m). Ascending (a band
-  // unlimited on the right): n_first first. Descending (bwd_descending): n_last first, which
+  // unlimited on the right): n_first first. Descending (descending()): n_last first, which
   // reaches row block m on its first step. Either way a key block waits only for key blocks
   // of the same (kv head, batch) with a lower blockIdx.x (the descending grid is reversed),
   // which the hardware dispatches first: they are resident or finished even when the grid is
   // larger than what fits at once, and the first in the order never waits. Packed: the key
   // blocks of the block's sequence (those past it return at once and take no turn).
+  CUTE_DEVICE static bool descending(BwdParams const& p) {
+    return kFeatures ? bwd_descending(p) : p.causal;
+  }
   CUTE_DEVICE static int turn(BwdParams const& p, int seqlen_q, int seqlen_k, int n_block, int m,
                               int block_m, int block_n) {
     const int diag = seqlen_k - seqlen_q;
-    if (bwd_descending(p)) {
+    if (descending(p)) {
       const int n_blocks = (seqlen_k + block_n - 1) / block_n;
       const int last_row = min((m + 1) * block_m, seqlen_q) - 1;
-      const int n_last = min(n_blocks - 1, (last_row + diag + band_right(p, seqlen_q)) / block_n);
+      const int right = kFeatures ? band_right(p, seqlen_q) : 0;
+      const int n_last = min(n_blocks - 1, (last_row + diag + right) / block_n);
       return n_last - n_block;
     }
+    if constexpr (!kFeatures) return n_block;
     const int lo = m * block_m + diag - band_left(p, seqlen_k);  // the first row's first key
     return n_block - (lo <= 0 ? 0 : lo / block_n);
   }
@@ -216,7 +236,8 @@ struct BwdWalk {
 template <int kStages>
 struct BwdStep {
   int g, m, stage, phase, buf;
-  CUTE_DEVICE BwdStep(BwdWalk const& walk, int t) {
+  template <class Walk>
+  CUTE_DEVICE BwdStep(Walk const& walk, int t) {
     const int per_head = walk.m_end - walk.m_begin;
     g = t / per_head;
     m = walk.m_begin + (t - g * per_head);
@@ -228,12 +249,18 @@ struct BwdStep {
 
 }  // namespace sm90
 
-// kScoreMods: the instantiation for calls with soft-capping or ALiBi (the launch picks it; the
-// other one has no code for them, so that their register allocation is the plain kernel's)
-template <class Traits, bool kScoreMods>
+// Three instantiations, which the launch picks (sm90::BwdMode): kPlain has no code for the
+// attention features and masks as it always did (key tail, causal diagonal), so that the plain
+// kernel's code and register allocation stay its own (the band's masks in it measured 2-3%
+// slower at head dim 64); kBand adds a sliding window's walk and masks; kScores soft-capping
+// and ALiBi (with any window) in passes of their own (one instantiation for all three spilled
+// at head dim 128).
+template <class Traits, int kMode>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     sm90_bwd_kernel(__grid_constant__ const Sm90BwdArgs<Traits> args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool kFeatures = kMode != sm90::kBwdPlain;  // a band (window) may be on
+  constexpr bool kScores = kMode == sm90::kBwdScores;   // softcap or ALiBi may be on
   using T = typename Traits::Element;
   using Storage = sm90::BwdSharedStorage<Traits>;
   using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
@@ -270,8 +297,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const bool deterministic = p.dq_semaphore != nullptr;
   // deterministic and limited on the right (causal, a window): the grid runs from the last key
   // block (see BwdWalk::turn)
+  using Walk = sm90::BwdWalk<kFeatures>;
   const int n_block =
-      deterministic && sm90::bwd_descending(p) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+      deterministic && Walk::descending(p) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int kv_head = blockIdx.y;
   const int batch = blockIdx.z;
   const int key0 = n_block * kBlockN;
@@ -294,7 +322,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int warpgroup = threadIdx.x / 128;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const sm90::BwdWalk walk(p, seqlen_q, seqlen_k, n_block, kBlockM, kBlockN);
+  const Walk walk(p, seqlen_q, seqlen_k, n_block, kBlockM, kBlockN);
 
   auto& kv_full = *reinterpret_cast<FullBarrier*>(st.kv_full());
   auto qdo_full = reinterpret_cast<FullBarrier*>(st.qdo_full());
@@ -399,7 +427,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           if (lane == 0) {
             if (deterministic && g == 0) {
               sem = p.dq_semaphore + (int64_t(batch) * p.heads_q + head) * sem_blocks + at.m;
-              turn = sm90::BwdWalk::turn(p, seqlen_q, seqlen_k, n_block, at.m, kBlockM, kBlockN);
+              turn = Walk::turn(p, seqlen_q, seqlen_k, n_block, at.m, kBlockM, kBlockN);
               while (sm90::load_acquire(sem) != turn) __nanosleep(32);
               asm volatile("fence.proxy.async.global;" : : : "memory");
             }
@@ -506,8 +534,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int row0 = at.m * kBlockM;
     const int left = sm90::band_left(p, seqlen_k);
     const int right = sm90::band_right(p, seqlen_q);
-    const bool softcap_on = kScoreMods && p.softcap > 0.f;
-    const bool alibi_on = kScoreMods && p.alibi_slopes != nullptr;
+    const bool softcap_on = kScores && p.softcap > 0.f;
+    const bool alibi_on = kScores && p.alibi_slopes != nullptr;
     float const* lse_s = st.stats(at.buf);
     float const* d_s = lse_s + kBlockM;
     Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
@@ -529,12 +557,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     };
     // a key of the tile outside some row's band (the key tail, the band's right edge, its left
     // edge; the rows past seqlen_q need no mask: their P^T is 0 through lse = +inf)
-    const int row_last = min(row0 + kBlockM, seqlen_q) - 1;
-    const bool masked = key0 + kBlockN > seqlen_k || key0 + kBlockN - 1 > row0 + diag + right ||
-                        key0 < row_last + diag - left;
-    if constexpr (kScoreMods) {
+    // (worked out where the plain kernel always did: after S^T's wait)
+    auto tile_masked = [&]() {
+      if constexpr (kFeatures) {
+        const int row_last = min(row0 + kBlockM, seqlen_q) - 1;
+        return key0 + kBlockN > seqlen_k || key0 + kBlockN - 1 > row0 + diag + right ||
+               key0 < row_last + diag - left;
+      } else {
+        return key0 + kBlockN > seqlen_k || (p.causal && key0 + kBlockN - 1 > row0 + diag);
+      }
+    };
+    if constexpr (kScores) {
       // Scores changed by the features (this instantiation runs only calls with softcap or
-      // ALiBi on): S^T, dP^T and the statistics first, then one pass per element. The score
+      // ALiBi on): S^T, dP^T and the statistics first, then the passes below. The score
       // is tanh(q.k softcap_in) (soft-capped; exponent multiplier softcap log2 e) or q.k (scale
       // log2 e); ALiBi's term in the exponent's units is its slope times log2 e times the
       // distance (the multiplier cancels the forward's division of the slope by softcap or by
@@ -602,7 +637,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           }
         }
       };
-      if (masked) {
+      if (tile_masked()) {
         pass(cute::true_type{});
       } else {
         pass(cute::false_type{});
@@ -612,6 +647,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     load_pairs(lse_r, lse_s);
     warpgroup_wait<decltype(wait_s)::value>();  // S^T is done
     warpgroup_fence_operand(acc_s);
+    const bool masked = tile_masked();
     if (!masked) {
       CUTE_UNROLL
       for (int r = 0; r < size<0>(s_rc); ++r) {
@@ -625,14 +661,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       CUTE_UNROLL
       for (int r = 0; r < size<0>(s_rc); ++r) {
         const int key = key0 + get<0>(c_rc(r, 0));
-        // hidden left of query lo_q (the band's right edge; causal: the diagonal) and right of
-        // query hi_q (its left edge)
-        const int lo_q = key - row0 - diag - right;
+        // hidden left of query lo_q (the band's right edge; causal: the diagonal) and, with
+        // features, right of query hi_q (its left edge)
+        const int lo_q = kFeatures ? key - row0 - diag - right : p.causal ? key - row0 - diag : 0;
         const int hi_q = key - row0 - diag + left;
         CUTE_UNROLL
         for (int c = 0; c < size<1>(s_rc); ++c) {
           const int qi = get<1>(c_rc(r, c));
-          const bool hidden = (key >= seqlen_k) | (qi < lo_q) | (qi > hi_q);
+          const bool hidden =
+              kFeatures ? (key >= seqlen_k) | (qi < lo_q) | (qi > hi_q) : (key >= seqlen_k) | (qi < lo_q);
           const float e = exp2f(fmaf(s_rc(r, c), p.scale_log2, -lse_r[c]));
           s_rc(r, c) = hidden ? 0.f : e;
         }

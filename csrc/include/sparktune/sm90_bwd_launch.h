@@ -31,14 +31,19 @@ cudaError_t launch_sm90_bwd(BwdParams const& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   constexpr int kSmem = Traits::kSmemBytes;
-  // soft-capping or ALiBi: the instantiation with their code (windows run on either)
-  const bool score_mods = p.softcap > 0.f || p.alibi_slopes != nullptr;
-  auto kernel = score_mods ? &sm90_bwd_kernel<Traits, true> : &sm90_bwd_kernel<Traits, false>;
-  if (cudaError_t err = score_mods ? ensure_smem_limit<&sm90_bwd_kernel<Traits, true>>(kSmem)
-                                   : ensure_smem_limit<&sm90_bwd_kernel<Traits, false>>(kSmem);
-      err != cudaSuccess) {
-    return err;
-  }
+  // the instantiation with the features' code (sm90::BwdMode): soft-capping or ALiBi, else a
+  // sliding window, else none
+  const int mode = p.softcap > 0.f || p.alibi_slopes != nullptr ? sm90::kBwdScores
+                   : p.window_left >= 0 || p.window_right >= 0  ? sm90::kBwdBand
+                                                                : sm90::kBwdPlain;
+  auto kernel = mode == sm90::kBwdScores ? &sm90_bwd_kernel<Traits, sm90::kBwdScores>
+                : mode == sm90::kBwdBand ? &sm90_bwd_kernel<Traits, sm90::kBwdBand>
+                                         : &sm90_bwd_kernel<Traits, sm90::kBwdPlain>;
+  cudaError_t err =
+      mode == sm90::kBwdScores ? ensure_smem_limit<&sm90_bwd_kernel<Traits, sm90::kBwdScores>>(kSmem)
+      : mode == sm90::kBwdBand ? ensure_smem_limit<&sm90_bwd_kernel<Traits, sm90::kBwdBand>>(kSmem)
+                               : ensure_smem_limit<&sm90_bwd_kernel<Traits, sm90::kBwdPlain>>(kSmem);
+  if (err != cudaSuccess) return err;
   const int rows_q = packed ? p.total_q : p.seqlen_q;
   const int rows_k = packed ? p.total_k : p.seqlen_k;
   const int views = packed ? 1 : p.batch;
@@ -86,7 +91,7 @@ cudaError_t launch_sm90_bwd(BwdParams const& p, cudaStream_t stream) {
   } else {
     bwd_preprocess_kernel<T><<<row_grid, kRowKernelThreads, 0, stream>>>(p);
   }
-  cudaError_t err = cudaGetLastError();
+  err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   // key blocks along x (deterministic causal: from the last one): in deterministic mode a
   // block waits only for blocks of lower index (launched before it). Packed: the longest
