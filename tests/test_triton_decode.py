@@ -331,7 +331,7 @@ def test_direct_launch_engages_only_when_safe(monkeypatch):
     from sparktune.kernels import triton_decode as td
 
     monkeypatch.setattr(td, "INTERPRET", False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(td, "_current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1234, raising=False)
     fn = _FakeJit()
     launch = td._Launch(fn, (3, 2), (7, 0.5), {"BLOCK": 64, "FLAG": True, "num_warps": 4},
@@ -355,16 +355,26 @@ def test_direct_launch_engages_only_when_safe(monkeypatch):
     assert len(fn.jit) == 3 and launch.direct == 1
     assert td._hook_idle(None) and td._hook_idle(knobs.runtime.launch_exit_hook)
     assert not td._hook_idle(hook)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(td, "_current_device", lambda: 1)
     launch(a, b)
     assert len(fn.jit) == 4 and launch.direct == 1
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(td, "_current_device", lambda: 0)
     monkeypatch.setattr(td, "DIRECT_LAUNCH", False)
     launch(a, b)
     assert len(fn.jit) == 5 and launch.direct == 1
     monkeypatch.setattr(td, "DIRECT_LAUNCH", True)
     launch(a, b)
     assert len(fn.jit) == 5 and launch.direct == 2
+    # checked=1: only the first tensor's alignment is compared (the others are the plan's own
+    # allocations); the first tensor's still sends the launch back to the JIT path
+    part = td._Launch(fn, (3, 2), (7, 0.5), {"BLOCK": 64, "FLAG": True}, torch.device("cuda", 0),
+                      checked=1)
+    part(a, b)
+    part(a, b[1:])
+    assert part.direct == 1 and part.aligned == (True,)
+    jit = len(fn.jit)
+    part(a[1:], b)
+    assert len(fn.jit) == jit + 1 and part.direct == 1
     # constexprs that are not the last parameters: never direct
     odd = td._Launch(fn, (1,), (7,), {"n": 3, "BLOCK": 64}, torch.device("cuda", 0))
     assert odd.tail is None

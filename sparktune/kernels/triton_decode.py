@@ -91,10 +91,10 @@ def _append_kernel(Knew, Vnew, Kc, Vc, Seqlens, Table, BatchIdx,
 
 @triton.jit(do_not_specialize=["n_append", "seqlen_q", "group", "win_left", "win_right",
                                "num_splits", "stride_ab"])
-def _decode_kernel(Q, K, V, Seqlens, Table, BatchIdx, Slopes, Out, Lse, Opart, Lpart,
+def _decode_kernel(Q, K, V, Seqlens, Table, BatchIdx, Slopes, Out, Ws,
                    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                    stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh,
-                   stride_tb, stride_ab,
+                   stride_tb, stride_ab, ws_opart, ws_lpart,
                    n_append, seqlen_q, group, heads_kv, capacity, cache_rows, max_blocks,
                    qk_scale, cap_in, cap_out, win_left, win_right, num_splits,
                    PAGE_SIZE: tl.constexpr, BATCH_IDX: tl.constexpr, CAUSAL: tl.constexpr,
@@ -103,6 +103,9 @@ def _decode_kernel(Q, K, V, Seqlens, Table, BatchIdx, Slopes, Out, Lse, Opart, L
                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     split = tl.program_id(0)
     bh = tl.program_id(1)
+    Lse = Ws  # the float32 workspace: the lse, then the partial outputs and their lse
+    Opart = Ws + ws_opart
+    Lpart = Ws + ws_lpart
     b = bh // heads_kv
     hk = bh % heads_kv
     L = tl.load(Seqlens + b) + n_append
@@ -214,11 +217,14 @@ def _decode_kernel(Q, K, V, Seqlens, Table, BatchIdx, Slopes, Out, Lse, Opart, L
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "group", "num_splits"])
-def _combine_kernel(Opart, Lpart, Out, Lse, stride_ob, stride_on, stride_oh, seqlen_q, group,
-                    heads_kv, num_splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+def _combine_kernel(Ws, Out, stride_ob, stride_on, stride_oh, ws_opart, ws_lpart, seqlen_q,
+                    group, heads_kv, num_splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr):
     """Grid (batch * heads_kv, group * Nq, BLOCK_D // BLOCK_DC): one program merges one query
     row's chunk of the head dim over all splits at once (the first chunk writes the lse)."""
+    Lse = Ws
+    Opart = Ws + ws_opart
+    Lpart = Ws + ws_lpart
     bh = tl.program_id(0)
     r = tl.program_id(1)
     dc = tl.program_id(2)
@@ -268,6 +274,27 @@ def _hook_idle(hook) -> bool:
     return isinstance(calls, list) and not calls
 
 
+def _current_device() -> int:
+    """The current CUDA device's index, without torch.cuda's lazy-init wrapper (a plan's first
+    launch has initialised CUDA already)."""
+    get = getattr(torch._C, "_cuda_getDevice", None)
+    return get() if get is not None else torch.cuda.current_device()
+
+
+def _direct_stream(device: int | None):
+    """The raw current stream of ``device`` when a plan's launches may call their compiled
+    kernels directly now (the switch on, no launch hook set, ``device`` current), else None.
+    Asked once a call, for all of its launches."""
+    if not DIRECT_LAUNCH or _knobs is None or INTERPRET or device is None:
+        return None
+    rt = _knobs.runtime
+    if not (_hook_idle(rt.launch_enter_hook) and _hook_idle(rt.launch_exit_hook)):
+        return None
+    if _current_device() != device:
+        return None
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
 class _Launch:
     """One kernel launch of a plan: ``fn[grid](*tensors, *scalars, **kw)``, with the call's
     own tensors. The first launch goes through Triton's ``JITFunction.run`` (binding the
@@ -277,18 +304,20 @@ class _Launch:
     constants in parameter order) while
 
     - every tensor has the 16-byte alignment of the first launch (Triton specialises on it; the
-      scalars are the plan's and never change),
+      scalars are the plan's and never change). Only the first ``checked`` tensors are looked
+      at: the others are the plan's own fresh allocations, which torch's allocator aligns to
+      far more than 16 bytes;
     - no launch hook is set (profilers such as Proton install one) and
-    - the current device is the plan's.
+    - the current device is the plan's (these two: :func:`_direct_stream`, once a call).
 
     Anything else, Triton's interpreter, or a Triton whose objects do not look as expected,
     takes ``JITFunction.run`` again. ``direct`` counts the direct launches (the GPU test checks
     that they happen and that they give the JIT path's bits)."""
 
     __slots__ = ("fn", "grid", "grid3", "scalars", "kw", "tail", "compiled", "aligned", "device",
-                 "direct")
+                 "direct", "checked")
 
-    def __init__(self, fn, grid, scalars, kw, device: torch.device) -> None:
+    def __init__(self, fn, grid, scalars, kw, device: torch.device, checked: int | None = None) -> None:
         self.fn, self.grid, self.scalars, self.kw = fn, tuple(grid), tuple(scalars), kw
         self.grid3 = (*self.grid, 1, 1)[:3]  # the launcher takes x, y and z
         # the constexpr parameters' values, when they are the kernel's last parameters in the
@@ -301,20 +330,21 @@ class _Launch:
         self.aligned: tuple[bool, ...] | None = None
         self.device = device.index if device.type == "cuda" else None
         self.direct = 0
+        self.checked = checked
 
     def __call__(self, *tensors) -> None:
+        self.go(_direct_stream(self.device) if self.compiled is not None else None, tensors)
+
+    def go(self, stream, tensors: tuple) -> None:
+        """Launch on ``tensors``; ``stream``: :func:`_direct_stream`'s answer for this call."""
         c = self.compiled
-        if c is not None and DIRECT_LAUNCH:
-            rt = _knobs.runtime
-            if (_hook_idle(rt.launch_enter_hook) and _hook_idle(rt.launch_exit_hook)
-                    and tuple(t.data_ptr() % 16 == 0 for t in tensors) == self.aligned
-                    and torch.cuda.current_device() == self.device):
-                g = self.grid3
-                c.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(self.device),
-                      c.function, c.packed_metadata, None, None, None,
-                      *tensors, *self.scalars, *self.tail)
-                self.direct += 1
-                return
+        if c is not None and stream is not None and tuple(
+                t.data_ptr() % 16 == 0 for t in tensors[:self.checked]) == self.aligned:
+            g = self.grid3
+            c.run(g[0], g[1], g[2], stream, c.function, c.packed_metadata, None, None, None,
+                  *tensors, *self.scalars, *self.tail)
+            self.direct += 1
+            return
         k = self.fn[self.grid](*tensors, *self.scalars, **self.kw)
         if (c is None and not INTERPRET and _knobs is not None and self.tail is not None
                 and self.device is not None
@@ -322,7 +352,7 @@ class _Launch:
                 and all(hasattr(k, a) for a in ("run", "function", "packed_metadata"))
                 and hasattr(torch._C, "_cuda_getCurrentRawStream")):
             self.compiled = k
-            self.aligned = tuple(t.data_ptr() % 16 == 0 for t in tensors)
+            self.aligned = tuple(t.data_ptr() % 16 == 0 for t in tensors[:self.checked])
 
 
 @functools.cache
@@ -368,8 +398,8 @@ class DecodeLauncher:
     splits, the grids, the scalar arguments and the compile-time constants. ``run(inp)``
     then allocates the outputs and launches the kernels with the call's tensors only."""
 
-    __slots__ = ("batch", "nq", "hq", "splits", "block_m", "block_d", "opart_size",
-                 "lpart_size", "has_table", "has_bidx", "has_slopes", "appends", "dev", "launches",
+    __slots__ = ("batch", "nq", "hq", "splits", "block_m", "block_d", "ws_size", "lse_shape",
+                 "dev_index", "has_table", "has_bidx", "has_slopes", "appends", "dev", "launches",
                  "cfg", "fitted")
 
     def __init__(self, inp, config: str | None = None) -> None:
@@ -411,8 +441,14 @@ class DecodeLauncher:
             )
         block_m = _pow2(group * nq)
         self.splits, self.block_m = splits, block_m
-        self.opart_size = batch * hkv * splits * block_m * block_d
-        self.lpart_size = batch * hkv * splits * block_m
+        # one float32 workspace a call: the lse (B, Hq, Nq), then (split) the partial outputs
+        # and their lse, each part starting on a multiple of 16 elements
+        lse_n = batch * hq * nq
+        ws_opart = -(-lse_n // 16) * 16
+        ws_lpart = ws_opart + -(-(batch * hkv * splits * block_m * block_d) // 16) * 16
+        self.ws_size = ws_lpart + batch * hkv * splits * block_m if splits > 1 else lse_n
+        self.lse_shape = (batch, hq, nq)
+        self.dev_index = dev.index if dev.type == "cuda" else None
         left, right = inp.window
         softcap = inp.softcap
         scale = inp.scale
@@ -423,7 +459,7 @@ class DecodeLauncher:
             (q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1), kc.stride(2),
              vc.stride(0), vc.stride(1), vc.stride(2), *o_strides, t_stride,
              slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,
-             key.appends, nq, group, hkv, inp.capacity, kc.shape[0], t_blocks,
+             ws_opart, ws_lpart, key.appends, nq, group, hkv, inp.capacity, kc.shape[0], t_blocks,
              scale * LOG2E, (scale / softcap) if softcap > 0 else 0.0, softcap * LOG2E,
              left, right, splits),
             dict(PAGE_SIZE=inp.page_size, BATCH_IDX=bidx is not None, CAUSAL=inp.causal,
@@ -431,17 +467,17 @@ class DecodeLauncher:
                  ALIBI=slopes is not None, SPLIT=splits > 1, HEAD_DIM=d, BLOCK_D=block_d,
                  BLOCK_M=block_m, BLOCK_N=cfg.block_n, num_warps=cfg.warps,
                  num_stages=cfg.stages),
-            dev,
+            dev, checked=7,  # the call's tensors; then out and the workspace
         )
         combine = None
         if splits > 1:
             block_dc = min(block_d, _COMBINE_DC)
             combine = _Launch(
                 _combine_kernel, (batch * hkv, group * nq, block_d // block_dc),
-                (*o_strides, nq, group, hkv, splits),
+                (*o_strides, ws_opart, ws_lpart, nq, group, hkv, splits),
                 dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_S=_pow2(splits, 2),
                      BLOCK_DC=block_dc, num_warps=4),
-                dev,
+                dev, checked=0,  # the workspace and out only
             )
         #: (append or None, split-KV, combine or None)
         self.launches = (append, decode, combine)
@@ -453,22 +489,20 @@ class DecodeLauncher:
         table = inp.block_table if self.has_table else seqlens
         bidx = inp.cache_batch_idx if self.has_bidx else seqlens
         append, decode, combine = self.launches
+        stream = _direct_stream(self.dev_index) if decode.compiled is not None else None
         if append is not None:
-            append(inp.k, inp.v, inp.k_cache, inp.v_cache, seqlens, table, bidx)
+            append.go(stream, (inp.k, inp.v, inp.k_cache, inp.v_cache, seqlens, table, bidx))
         out = torch.empty(q.shape, dtype=q.dtype, device=dev)
-        lse = torch.empty(self.batch, self.hq, self.nq, dtype=torch.float32, device=dev)
+        ws = torch.empty(self.ws_size, dtype=torch.float32, device=dev)
+        decode.go(stream, (q, inp.k_cache, inp.v_cache, seqlens, table, bidx,
+                           inp.alibi_slopes if self.has_slopes else seqlens, out, ws))
         if combine is not None:
-            opart = torch.empty(self.opart_size, dtype=torch.float32, device=dev)
-            lpart = torch.empty(self.lpart_size, dtype=torch.float32, device=dev)
-        else:
-            opart = lpart = lse
-        decode(q, inp.k_cache, inp.v_cache, seqlens, table, bidx,
-               inp.alibi_slopes if self.has_slopes else lse, out, lse, opart, lpart)
-        if combine is not None:
-            combine(opart, lpart, out, lse)
+            combine.go(stream, (ws, out))
         if not self.fitted:
             self._fit(inp, decode)
-        return (out, lse) if return_lse else out
+        if return_lse:
+            return out, ws[: self.batch * self.hq * self.nq].view(self.lse_shape)
+        return out
 
     def _fit(self, inp, decode: _Launch) -> None:
         """Once, after the first launch: the split count for the compiled kernel's occupancy.
