@@ -5,15 +5,17 @@ Shapes: batch 1, 8, 64 x cache length 1k, 8k, 32k, 128k (where memory allows), h
 GQA 32:8, Nq = 1, bfloat16; every sequence at the full cache length. For each shape the configs
 of ``--configs`` (default: ``triton_decode_space.BENCH_SPACE``) are timed once to pick the best
 for the contiguous and the paged cache; then ``--rounds`` alternating rounds time SDPA, ours
-contiguous and ours paged (the median of the rounds is reported). Bandwidth counts the K and V
+contiguous and ours paged, and what a user's call gets with no backend named (dispatch: a
+tuning record, shipped or the user's, else the default order), contiguous and paged (the
+median of the rounds is reported). Bandwidth counts the K and V
 bytes of the valid cache: ``2 * B * Hkv * L * D * 2``. Every candidate (SDPA too) is timed as a
 CUDA graph replay by default, as serving engines run decode steps (the decode path has no host
 sync and no host read of the lengths, so it captures); ``--eager`` times eager calls instead,
 host launch cost included.
 
 Targets (issue 18): ours >= 3400 GB/s at every batch with cache >= 8k; ours never below SDPA
-(``--sdpa-slack``, default 0.97, allows timing noise); paged within 10% of contiguous. Exits 1
-when one is missed.
+(``--sdpa-slack``, default 0.97, allows timing noise), the dispatched calls included; paged
+within 10% of contiguous. Exits 1 when one is missed.
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/decode_bandwidth.py [--out $OUT/decode_bw.txt]
 """
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import sparktune
+from sparktune import _kvcache as _kv
 from sparktune.kernels import triton_decode_space as space
 
 TARGET_GBS = 3400.0
@@ -87,7 +90,8 @@ def main() -> int:
     out(f"# {torch.cuda.get_device_name(dev)}, {args.dtype}, hd {d}, GQA {hq}:{hkv}, Nq 1, "
         f"page {args.page_size}, {'eager calls' if args.eager else 'CUDA graphs (all three)'}")
     out(f"{'batch':>5} {'cache':>7} {'sdpa':>7} {'ours':>7} {'paged':>7} {'ours/sdpa':>9} "
-        f"{'paged/ours':>10}  best (contiguous | paged)")
+        f"{'paged/ours':>10} {'disp':>7} {'disp_pg':>7} {'disp/sdpa':>9}  "
+        f"best (contiguous | paged); dispatch's choice (contiguous | paged)")
     missed: list[str] = []
     for batch in (int(x) for x in args.batches.split(",")):
         for n in (int(x) for x in args.cache_lens.split(",")):
@@ -124,34 +128,55 @@ def main() -> int:
                     q, kp, vp, cache_seqlens=lens, block_table=table, backend="triton",
                     config=cfg)
 
+            def disp(q=q, kc=kc, vc=vc, lens=lens):
+                return sparktune.attention_with_kvcache(q, kc, vc, cache_seqlens=lens)
+
+            def disp_paged(q=q, kp=kp, vp=vp, lens=lens, table=table):
+                return sparktune.attention_with_kvcache(q, kp, vp, cache_seqlens=lens,
+                                                        block_table=table)
+
             ref = sdpa().transpose(1, 2)
+            choice = [_kv.choose_decode(_kv.check_kvcache(q, ck, cv, cache_seqlens=lens,
+                                                          block_table=t).key, dev)
+                      for ck, cv, t in ((kc, vc, None), (kp, vp, table))]
             graph = not args.eager
             best_c = min(configs, key=lambda c: timed(ours(c), graph))
             best_p = min(configs, key=lambda c: timed(paged(c), graph))
-            for name, fn in (("contiguous", ours(best_c)), ("paged", paged(best_p))):
+            for name, fn in (("contiguous", ours(best_c)), ("paged", paged(best_p)),
+                             ("dispatch", disp), ("dispatch paged", disp_paged)):
                 err = (fn().float() - ref.float()).abs().max().item()
                 if err > 2e-2:
                     missed.append(f"b{batch} n{n}: {name} output differs from SDPA by {err:.3g}")
-            times: dict[str, list[float]] = {"sdpa": [], "ours": [], "paged": []}
+            times: dict[str, list[float]] = {"sdpa": [], "ours": [], "paged": [], "disp": [],
+                                             "disp_pg": []}
             for _ in range(args.rounds):
                 times["sdpa"].append(timed(sdpa, graph))
                 times["ours"].append(timed(ours(best_c), graph))
                 times["paged"].append(timed(paged(best_p), graph))
+                times["disp"].append(timed(disp, graph))
+                times["disp_pg"].append(timed(disp_paged, graph))
             gbytes = 2.0 * batch * hkv * n * d * kc.element_size() / 1e9
             bw = {k: gbytes / (statistics.median(v) * 1e-3) for k, v in times.items()}
             r_sdpa = bw["ours"] / bw["sdpa"]
             r_paged = bw["paged"] / bw["ours"]
+            r_disp = min(bw["disp"], bw["disp_pg"]) / bw["sdpa"]
             out(f"{batch:>5} {n:>7} {bw['sdpa']:>7.0f} {bw['ours']:>7.0f} {bw['paged']:>7.0f} "
-                f"{r_sdpa:>9.2f} {r_paged:>10.2f}  {best_c} | {best_p}")
+                f"{r_sdpa:>9.2f} {r_paged:>10.2f} {bw['disp']:>7.0f} {bw['disp_pg']:>7.0f} "
+                f"{r_disp:>9.2f}  {best_c} | {best_p}; dispatch "
+                f"{' | '.join(f'{c.config or c.backend} ({c.source})' for c in choice)}")
             if n >= 8192 and min(bw["ours"], bw["paged"]) < TARGET_GBS:
                 missed.append(f"b{batch} n{n}: {min(bw['ours'], bw['paged']):.0f} GB/s < {TARGET_GBS:.0f}")
             if r_sdpa < args.sdpa_slack or bw["paged"] / bw["sdpa"] < args.sdpa_slack:
                 missed.append(f"b{batch} n{n}: below SDPA (ours {r_sdpa:.2f}x, paged "
                               f"{bw['paged'] / bw['sdpa']:.2f}x)")
+            if r_disp < args.sdpa_slack:
+                missed.append(f"b{batch} n{n}: dispatch below SDPA (contiguous "
+                              f"{bw['disp'] / bw['sdpa']:.2f}x, paged "
+                              f"{bw['disp_pg'] / bw['sdpa']:.2f}x)")
             if r_paged < 0.9:
                 missed.append(f"b{batch} n{n}: paged {r_paged:.2f}x of contiguous (< 0.90)")
             # drop this shape's tensors (the closures hold them too) before the next one
-            kc = vc = kp = vp = qt = kt = vt = ref = sdpa = ours = paged = None
+            kc = vc = kp = vp = qt = kt = vt = ref = sdpa = ours = paged = disp = disp_paged = None
     out("targets: " + ("all met" if not missed else "MISSED"))
     for m in missed:
         out("  " + m)

@@ -16,7 +16,7 @@ import pytest
 from sparktune import db
 from sparktune.backends.torch_sdpa import TorchSDPABackend
 from sparktune.db import Store, problem_key
-from sparktune.kernels import triton_space
+from sparktune.kernels import triton_decode_space, triton_space
 from sparktune.kernels.kernel_space import DTYPES as SPARK_DTYPES
 from sparktune.kernels.kernel_space import full_space
 
@@ -72,6 +72,10 @@ def _spark_problems(r) -> list[str]:
 
 
 def _triton_problems(r) -> list[str]:
+    if r.problem.op == "decode":  # the split-KV kernels (docs/DECODING.md)
+        if r.config not in triton_decode_space.DECODE_SPACE:
+            return [f"{r.config!r} is not in the triton decode space"]
+        return triton_decode_space.problem_reasons(r.problem)
     if r.config not in TRITON:
         return [f"{r.config!r} is not in the triton kernel space"]
     cfg = triton_space.parse_config(r.config)

@@ -14,6 +14,12 @@ first sequence full, the others between half the capacity and all of it), so tha
 tails are checked too; timing runs with every sequence at the capacity (what the FLOPs and
 bytes of the record count). New tokens (``appends``) are written at the same slots with the
 same values by every launch, so repeated launches leave the same cache.
+
+Timing on a CUDA device replays the call captured in a CUDA graph (``graphs=True``, the
+default), as serving engines run decode steps: what is ranked is the candidate's kernels, not
+the host's launch cost, which is about the same for every Triton config and, at small batches,
+larger than the kernels (an eager timing there ranks noise). A candidate whose call cannot be
+captured (the torch path reads the lengths on the host) is timed eager, its host cost included.
 """
 
 from __future__ import annotations
@@ -42,14 +48,35 @@ if TYPE_CHECKING:
 __all__ = ["DecodeWorkload"]
 
 
+def _captured(fn: Callable[[], object]) -> Callable[[], object] | None:
+    """``fn`` captured in a CUDA graph (two warm-up calls on a side stream first, so that the
+    plan is made and the kernels compiled), as its replay; None when the capture fails."""
+    stream = torch.cuda.Stream()
+    try:
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception:  # noqa: BLE001 - a call that cannot be captured is timed eager
+        torch.cuda.synchronize()
+        return None
+    return graph.replay
+
+
 class DecodeWorkload:
     """Random inputs of one decode problem on one torch device, candidate launches on them,
     and (lazily) the reference check. The interface of :class:`~sparktune.tune._workload.Workload`."""
 
-    def __init__(self, problem: Problem, device: torch.device | str, *, seed: int = 0) -> None:
+    def __init__(self, problem: Problem, device: torch.device | str, *, seed: int = 0,
+                 graphs: bool = True) -> None:
         if problem.op != "decode":
             raise ValueError(f"DecodeWorkload takes a decode problem, got op {problem.op!r}")
         self.problem = problem
+        self.graphs = graphs
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[problem.dtype]
         self.scale = 1.0 / math.sqrt(problem.head_dim)
@@ -135,7 +162,8 @@ class DecodeWorkload:
         """(fn, outputs): ``fn()`` is one call of ``attention_with_kvcache`` forced to the
         candidate (its host cost counts, as in a call). With ``fill`` (the check) it asks for
         the log-sum-exp where the candidate has one; timing asks for none, as a decode step
-        does."""
+        does, and (CUDA, ``graphs``, a Triton candidate) gets the replay of the call captured
+        in a CUDA graph; a capture that fails leaves the eager call."""
         del backend  # the call finds it by name
         outs: dict[str, torch.Tensor] = {}
         need_lse = fill is not None and cand.backend != "torch"
@@ -150,6 +178,10 @@ class DecodeWorkload:
                 outs["out"] = r
             return r
 
+        if fill is None and self.graphs and cand.backend == "triton" and self.device.type == "cuda":
+            replay = _captured(fn)
+            if replay is not None:
+                return replay, outs
         return fn, outs
 
     def sdpa_baseline(self, t: dict[str, Any]) -> Callable[[], object]:
