@@ -75,14 +75,7 @@ def main() -> int:
     ap.add_argument("--out", default="")
     ap.add_argument("--eager", action="store_true",
                     help="time eager calls (host launch cost included) instead of CUDA graphs")
-    ap.add_argument("--merge-in-kernel", action="store_true",
-                    help="split plans merge their partials in the split-KV kernel (one launch) "
-                         "instead of the combine kernel (triton_decode.MERGE_IN_KERNEL)")
     args = ap.parse_args()
-    if args.merge_in_kernel:
-        from sparktune.kernels import triton_decode
-
-        triton_decode.MERGE_IN_KERNEL = True
     dev = torch.device("cuda")
     dtype = getattr(torch, args.dtype)
     hq, hkv = (int(x) for x in args.heads.split(","))
@@ -95,8 +88,7 @@ def main() -> int:
         lines.append(line)
 
     out(f"# {torch.cuda.get_device_name(dev)}, {args.dtype}, hd {d}, GQA {hq}:{hkv}, Nq 1, "
-        f"page {args.page_size}, {'eager calls' if args.eager else 'CUDA graphs (all three)'}, "
-        f"{'merge in the split-KV kernel' if args.merge_in_kernel else 'combine kernel'}")
+        f"page {args.page_size}, {'eager calls' if args.eager else 'CUDA graphs (all three)'}")
     out(f"{'batch':>5} {'cache':>7} {'sdpa':>7} {'ours':>7} {'paged':>7} {'ours/sdpa':>9} "
         f"{'paged/ours':>10} {'disp':>7} {'disp_pg':>7} {'disp/sdpa':>9}  "
         f"best (contiguous | paged); dispatch's choice (contiguous | paged)")

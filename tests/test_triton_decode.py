@@ -93,42 +93,6 @@ def test_interp_decode_matches_definition(request, name, dtype):
         _check(case, config)
 
 
-@pytest.mark.parametrize("name", ["contiguous", "nq4_gqa2", "paged_shared_append", "empty",
-                                  "window_softcap_alibi"])
-def test_interp_merge_in_kernel_and_combine_kernel(request, name):
-    """A split plan merges its partials in the split-KV kernel (one launch, the counters back
-    at zero after each call) or, with ``MERGE_IN_KERNEL`` off, in the combine kernel (two
-    launches); both pass the 2x rule, call after call."""
-    if _delegated(request):
-        return
-    from sparktune import _kvcache
-    from sparktune.kernels import triton_decode as td
-
-    spec = dict(CASES[name])
-    alibi = spec.pop("alibi", False)
-    default = td.MERGE_IN_KERNEL
-    for merge in (True, False):
-        td.MERGE_IN_KERNEL = merge
-        try:
-            _kvcache._plans.clear()
-            for _ in range(2):  # a fresh case each time: the appends write the caches
-                case = make_case(dtype=torch.float16, seed=11, **spec)
-                if alibi:
-                    case.kwargs["alibi_slopes"] = torch.rand(
-                        case.q.shape[2], generator=torch.Generator().manual_seed(3))
-                _check(case, "tdec_n16_w1s1_p3")
-        finally:
-            td.MERGE_IN_KERNEL = default
-        (plan,) = _kvcache._plans.values()
-        launcher = plan.launcher
-        assert launcher.splits == 3 and launcher.merge == merge
-        assert (launcher.launches[2] is None) == merge
-        if merge:
-            (count,) = launcher.counts.values()
-            assert count.shape == (case.q.shape[0] * case.k_cache.shape[2],)
-            assert not count.any()
-
-
 def test_interp_default_path_and_int_lengths(request):
     if _delegated(request):
         return
@@ -322,7 +286,7 @@ def test_interp_repeated_call_host_work(request, monkeypatch):
         sparktune.attention_with_kvcache(*args, **kw)
     finally:
         sys.setprofile(None)
-    assert len(launched) == 3  # append, split-KV, combine (MERGE_IN_KERNEL is off by default)
+    assert len(launched) == 3  # append, split-KV, combine
     assert len(names) <= MAX_HIT_PYTHON_CALLS, names
     assert not HIT_FORBIDDEN & set(names), names
 
@@ -494,68 +458,3 @@ def test_gpu_direct_launch_gives_the_jit_paths_bits():
         for (o0, l0), (o1, l1) in zip(outs[False][0], outs[True][0], strict=True):
             assert torch.equal(o0, o1) and torch.equal(l0, l1), kw
         assert all(torch.equal(x, y) for x, y in zip(outs[False][1], outs[True][1], strict=True)), kw
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_merge_in_kernel_is_exact_and_repeatable():
-    """On the GPU, with ``MERGE_IN_KERNEL`` on: split plans (the rule's counts and fixed 7 and
-    33 splits; contiguous and paged, ragged lengths) pass the 2x rule against the float64
-    definition, and 300 later calls, a third of them on a second stream, then 100 rounds of a
-    CUDA-graph replay followed by an eager call, give the first call's bits every time (a race
-    between the programs of a (sequence, kv head) would move them); the counters end at zero."""
-    import sparktune
-    from sparktune import _kvcache
-    from sparktune.kernels import triton_decode as td
-
-    default = td.MERGE_IN_KERNEL
-    td.MERGE_IN_KERNEL = True
-    try:
-        for batch, lens, page, cfg in ((1, (8192,), 0, "tdec_n64_w4s2_x4"),
-                                       (8, (8192, 33, 4000, 1, 8191, 700, 5000, 2), 256, None),
-                                       (3, (5000, 17, 2049), 16, "tdec_n32_w2s1_p7"),
-                                       (16, (1024,) * 16, 0, "tdec_n16_w1s1_p33")):
-            _kvcache._plans.clear()
-            case = make_case(dtype=torch.bfloat16, seed=batch, batch=batch, seqlens=lens,
-                             capacity=max(lens) + (-max(lens)) % max(page, 1), hq=32, hkv=8, d=128,
-                             page_size=page)
-            args, kw = case.call_args(device="cuda")
-            kw.update(backend="triton", config=cfg, return_lse=True)
-            first = sparktune.attention_with_kvcache(*args, **kw)
-            (plan,) = _kvcache._plans.values()
-            launcher = plan.launcher
-            assert launcher.merge and launcher.splits > 1 and launcher.launches[2] is None
-            ref, _ = decode_oracle(case.q, case.k_cache, case.v_cache, None, None, seqlens=list(lens),
-                                   table=case.table)
-            low, _ = decode_oracle(case.q, case.k_cache, case.v_cache, None, None, seqlens=list(lens),
-                                   table=case.table, math_dtype=torch.float32)
-            base = (low.to(case.q.dtype).double() - ref).abs().max().item()
-            assert (first[0].double().cpu() - ref).abs().max().item() <= 2 * base + FLOOR, (batch, cfg)
-            side = torch.cuda.Stream()
-            moved = 0
-            for i in range(300):
-                stream = side if i % 3 == 0 else torch.cuda.current_stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    out, lse = sparktune.attention_with_kvcache(*args, **kw)
-                stream.synchronize()
-                moved += not (torch.equal(out, first[0]) and torch.equal(lse, first[1]))
-            warm = torch.cuda.Stream()
-            warm.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(warm):
-                sparktune.attention_with_kvcache(*args, **kw)
-            torch.cuda.current_stream().wait_stream(warm)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                g_out, g_lse = sparktune.attention_with_kvcache(*args, **kw)
-            for _ in range(100):
-                graph.replay()
-                out, lse = sparktune.attention_with_kvcache(*args, **kw)
-                torch.cuda.synchronize()
-                moved += not (torch.equal(g_out, first[0]) and torch.equal(g_lse, first[1])
-                              and torch.equal(out, first[0]) and torch.equal(lse, first[1]))
-            assert moved == 0, f"batch {batch} {cfg}: {moved} of 400 calls moved"
-            assert all(not c.any() for c in launcher.counts.values())
-    finally:
-        td.MERGE_IN_KERNEL = default
-        _kvcache._plans.clear()

@@ -12,11 +12,9 @@ Three kernels:
   capacity, ``lo`` the window's first key) are cut into ``splits`` chunks of whole tiles; a
   program past the end writes an empty partial. Paged caches: each key's page is read from
   the block table per tile (clamped into the cache). With one split the program writes the
-  output directly; otherwise it writes a float32 partial output and its base-2 log-sum-exp,
-  and (``MERGE``) the last program of each (sequence, kv head) to finish, found with an atomic
-  counter, merges the partials of all splits as the combine kernel does and resets the counter.
-- ``_combine_kernel`` (``MERGE_IN_KERNEL`` off: a second launch) merges the partials of one
-  query row (a chunk of its head dim per program, all splits loaded at once): weights
+  output directly; otherwise it writes a float32 partial output and its base-2 log-sum-exp.
+- ``_combine_kernel`` merges the partials of one query row (a chunk of its head dim per
+  program, all splits loaded at once): weights
   ``2^(lse_s - max)``, output ``sum w_s o_s / sum w_s``, lse ``max + log2(sum w)``.
 
 Scores are base 2 as in :mod:`triton_attn` (``qk_scale = scale * log2 e``); softcap and ALiBi
@@ -93,7 +91,7 @@ def _append_kernel(Knew, Vnew, Kc, Vc, Seqlens, Table, BatchIdx,
 
 @triton.jit(do_not_specialize=["n_append", "seqlen_q", "group", "win_left", "win_right",
                                "num_splits", "stride_ab"])
-def _decode_kernel(Q, K, V, Seqlens, Table, BatchIdx, Slopes, Out, Ws, Count,
+def _decode_kernel(Q, K, V, Seqlens, Table, BatchIdx, Slopes, Out, Ws,
                    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                    stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh,
                    stride_tb, stride_ab, ws_opart, ws_lpart,
@@ -101,8 +99,7 @@ def _decode_kernel(Q, K, V, Seqlens, Table, BatchIdx, Slopes, Out, Ws, Count,
                    qk_scale, cap_in, cap_out, win_left, win_right, num_splits,
                    PAGE_SIZE: tl.constexpr, BATCH_IDX: tl.constexpr, CAUSAL: tl.constexpr,
                    WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, SOFTCAP: tl.constexpr,
-                   ALIBI: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr,
-                   HEAD_DIM: tl.constexpr,
+                   ALIBI: tl.constexpr, SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -212,40 +209,6 @@ def _decode_kernel(Q, K, V, Seqlens, Table, BatchIdx, Slopes, Out, Ws, Count,
         part = (bh * num_splits + split) * BLOCK_M + rows
         tl.store(Opart + part[:, None] * BLOCK_D + ds[None, :], o, mask=row_ok[:, None])
         tl.store(Lpart + part, lse2, mask=row_ok)
-        if MERGE:
-            # the last of this (sequence, kv head)'s programs to finish merges the partials of
-            # every split (its own among them) and sets the counter back to 0 for the next call.
-            # The barrier puts every thread's stores before the release of the atomic; the
-            # partials of the other programs are read past L1 (.cg).
-            tl.debug_barrier()
-            done = tl.atomic_add(Count + bh, 1, sem="acq_rel", scope="gpu")
-            if done == num_splits - 1:
-                tl.debug_barrier()
-                m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-                total = tl.zeros([BLOCK_M], dtype=tl.float32)
-                acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-                for sp in range(0, num_splits):
-                    ps = (bh * num_splits + sp) * BLOCK_M + rows
-                    ls = tl.load(Lpart + ps, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                    op = tl.load(Opart + ps[:, None] * BLOCK_D + ds[None, :], mask=row_ok[:, None],
-                                 other=0.0, cache_modifier=".cg")
-                    m_new = tl.maximum(m_all, ls)
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = tl.math.exp2(m_all - m_safe)
-                    w = tl.math.exp2(ls - m_safe)
-                    acc = acc * alpha[:, None] + w[:, None] * op
-                    total = total * alpha + w
-                    m_all = m_new
-                seen = total > 0.0
-                o = acc / tl.where(seen, total, 1.0)[:, None]
-                m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-                lse2 = tl.where(seen, m_safe + tl.math.log2(tl.where(seen, total, 1.0)), float("-inf"))
-                tl.store(Out + b * stride_ob + qi[:, None] * stride_on + h[:, None] * stride_oh
-                         + ds[None, :], o.to(Out.dtype.element_ty),
-                         mask=row_ok[:, None] & d_ok[None, :])
-                tl.store(Lse + (b * heads_kv * group + h) * seqlen_q + qi, lse2 * _LN2,
-                         mask=row_ok)
-                tl.atomic_xchg(Count + bh, 0, sem="relaxed", scope="gpu")
     else:
         tl.store(Out + b * stride_ob + qi[:, None] * stride_on + h[:, None] * stride_oh + ds[None, :],
                  o.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -296,13 +259,6 @@ def not_supported_reasons(key) -> list[str]:
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << max(0, n - 1).bit_length())
 
-
-#: whether a split plan merges its partials in the split-KV kernel itself (the last program of
-#: each (sequence, kv head) to finish, counted with an atomic; one launch a call) instead of a
-#: second, combine kernel; read when a plan is made. Off until the GPU check
-#: (tests/test_triton_decode.py::test_gpu_merge_in_kernel_is_exact_and_repeatable) and the A/B
-#: (bench/decode_bandwidth.py --merge-in-kernel) have run on a GPU (docs/DECODING.md)
-MERGE_IN_KERNEL = False
 
 #: whether a plan's later launches may call the compiled kernel directly (see :class:`_Launch`);
 #: False sends every launch through ``JITFunction.run`` (the GPU test compares the two)
@@ -443,7 +399,7 @@ class DecodeLauncher:
     then allocates the outputs and launches the kernels with the call's tensors only."""
 
     __slots__ = ("batch", "nq", "hq", "splits", "block_m", "block_d", "ws_size", "lse_shape",
-                 "dev_index", "merge", "n_count", "counts", "has_table", "has_bidx", "has_slopes", "appends", "dev", "launches",
+                 "dev_index", "has_table", "has_bidx", "has_slopes", "appends", "dev", "launches",
                  "cfg", "fitted")
 
     def __init__(self, inp, config: str | None = None) -> None:
@@ -451,9 +407,6 @@ class DecodeLauncher:
         # the split rule's count until the kernel's occupancy is known (after its first launch,
         # see run): then whole waves (triton_decode_space.num_splits)
         self.fitted = False
-        #: the split-KV kernel's counters (merge in the kernel): stream -> int32 (B * Hkv,),
-        #: zero between calls (the merging program resets its counter)
-        self.counts: dict = {}
         self._build(inp, splits_for(self.cfg, inp.key, inp.q.device, inp.capacity))
 
     def _build(self, inp, splits: int) -> None:
@@ -496,8 +449,6 @@ class DecodeLauncher:
         self.ws_size = ws_lpart + batch * hkv * splits * block_m if splits > 1 else lse_n
         self.lse_shape = (batch, hq, nq)
         self.dev_index = dev.index if dev.type == "cuda" else None
-        self.merge = splits > 1 and MERGE_IN_KERNEL
-        self.n_count = batch * hkv
         left, right = inp.window
         softcap = inp.softcap
         scale = inp.scale
@@ -513,14 +464,13 @@ class DecodeLauncher:
              left, right, splits),
             dict(PAGE_SIZE=inp.page_size, BATCH_IDX=bidx is not None, CAUSAL=inp.causal,
                  WINDOW_L=left >= 0, WINDOW_R=right >= 0, SOFTCAP=softcap > 0,
-                 ALIBI=slopes is not None, SPLIT=splits > 1, MERGE=self.merge, HEAD_DIM=d,
-                 BLOCK_D=block_d,
+                 ALIBI=slopes is not None, SPLIT=splits > 1, HEAD_DIM=d, BLOCK_D=block_d,
                  BLOCK_M=block_m, BLOCK_N=cfg.block_n, num_warps=cfg.warps,
                  num_stages=cfg.stages),
-            dev, checked=7,  # the call's tensors; then out, the workspace and the counters
+            dev, checked=7,  # the call's tensors; then out and the workspace
         )
         combine = None
-        if splits > 1 and not self.merge:
+        if splits > 1:
             block_dc = min(block_d, _COMBINE_DC)
             combine = _Launch(
                 _combine_kernel, (batch * hkv, group * nq, block_d // block_dc),
@@ -544,9 +494,8 @@ class DecodeLauncher:
             append.go(stream, (inp.k, inp.v, inp.k_cache, inp.v_cache, seqlens, table, bidx))
         out = torch.empty(q.shape, dtype=q.dtype, device=dev)
         ws = torch.empty(self.ws_size, dtype=torch.float32, device=dev)
-        count = self._count(stream) if self.merge else seqlens
         decode.go(stream, (q, inp.k_cache, inp.v_cache, seqlens, table, bidx,
-                           inp.alibi_slopes if self.has_slopes else seqlens, out, ws, count))
+                           inp.alibi_slopes if self.has_slopes else seqlens, out, ws))
         if combine is not None:
             combine.go(stream, (ws, out))
         if not self.fitted:
@@ -554,21 +503,6 @@ class DecodeLauncher:
         if return_lse:
             return out, ws[: self.batch * self.hq * self.nq].view(self.lse_shape)
         return out
-
-    def _count(self, stream):
-        """The merge counters of this call: while a CUDA graph is captured, fresh zeros (their
-        fill is replayed with the graph, so no two graphs share counters); else the current
-        stream's own (calls on one stream run in order, each leaving them at zero)."""
-        dev = self.dev
-        if dev.type == "cuda":
-            if torch.cuda.is_current_stream_capturing():
-                return torch.zeros(self.n_count, dtype=torch.int32, device=dev)
-            if stream is None:
-                stream = torch._C._cuda_getCurrentRawStream(self.dev_index)
-        c = self.counts.get(stream)
-        if c is None:
-            c = self.counts[stream] = torch.zeros(self.n_count, dtype=torch.int32, device=dev)
-        return c
 
     def _fit(self, inp, decode: _Launch) -> None:
         """Once, after the first launch: the split count for the compiled kernel's occupancy.
