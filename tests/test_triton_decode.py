@@ -458,3 +458,73 @@ def test_gpu_direct_launch_gives_the_jit_paths_bits():
         for (o0, l0), (o1, l1) in zip(outs[False][0], outs[True][0], strict=True):
             assert torch.equal(o0, o1) and torch.equal(l0, l1), kw
         assert all(torch.equal(x, y) for x, y in zip(outs[False][1], outs[True][1], strict=True)), kw
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_pdl_gives_the_stream_orders_bits():
+    """On the GPU: plans launched with programmatic dependent launch (``PDL``, sm_90 and later)
+    give the bits of plans launched in plain stream order, eager and replayed from a CUDA graph,
+    call after call (a kernel reading before its predecessor's writes are visible would move
+    them), for one split and several, contiguous and paged, with appends and ALiBi; and pass
+    the 2x rule against the float64 definition."""
+    import sparktune
+    from sparktune import _kvcache
+    from sparktune.kernels import triton_decode as td
+
+    pdl_there = torch.cuda.get_device_capability()[0] >= 9
+    cases = (
+        dict(batch=1, seqlens=(8192,), capacity=8192, config="tdec_n64_w4s2_x4"),
+        dict(batch=8, seqlens=(8192, 33, 4000, 1, 8191, 700, 5000, 2), capacity=8192,
+             page_size=256, config=None),
+        dict(batch=3, seqlens=(700, 33, 2000), capacity=2048, appends=2, page_size=16,
+             config="tdec_n32_w2s1_p7"),
+        dict(batch=3, seqlens=(700, 33, 2000), capacity=2048, alibi=True, config="tdec_n64_w4s2_p1"),
+    )
+    for spec in cases:
+        spec = dict(spec)
+        cfg = spec.pop("config")
+        alibi = spec.pop("alibi", False)
+        case = make_case(dtype=torch.bfloat16, seed=spec["batch"], hq=32, hkv=8, d=128, **spec)
+        args, kw = case.call_args(device="cuda")
+        if alibi:
+            kw["alibi_slopes"] = torch.linspace(0.05, 0.6, 32, device="cuda")
+        kw.update(backend="triton", config=cfg, return_lse=True)
+        runs = {}
+        for pdl in (False, True):
+            td.PDL = pdl
+            try:
+                _kvcache._plans.clear()
+                eager = [sparktune.attention_with_kvcache(*args, **kw) for _ in range(3)]
+                (plan,) = _kvcache._plans.values()
+                assert plan.launcher.pdl == (pdl and pdl_there), spec
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    sparktune.attention_with_kvcache(*args, **kw)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    g_out, g_lse = sparktune.attention_with_kvcache(*args, **kw)
+                replays = []
+                for _ in range(20):
+                    graph.replay()
+                    replays.append((g_out.clone(), g_lse.clone()))
+                torch.cuda.synchronize()
+            finally:
+                td.PDL = True
+                _kvcache._plans.clear()
+            runs[pdl] = (eager, replays, (args[1].clone(), args[2].clone()))
+        (e0, r0, c0), (e1, r1, c1) = runs[False], runs[True]
+        first = e0[-1]
+        for out, lse in [*e0[1:], *e1[1:], *r0, *r1]:
+            assert torch.equal(out, first[0]) and torch.equal(lse, first[1]), spec
+        assert torch.equal(c0[0], c1[0]) and torch.equal(c0[1], c1[1]), spec
+        slopes = kw["alibi_slopes"].cpu() if alibi else None
+        ref, _ = decode_oracle(case.q, case.k_cache, case.v_cache, case.k, case.v,
+                               seqlens=list(case.seqlens), table=case.table, slopes=slopes)
+        low, _ = decode_oracle(case.q, case.k_cache, case.v_cache, case.k, case.v,
+                               seqlens=list(case.seqlens), table=case.table, slopes=slopes,
+                               math_dtype=torch.float32)
+        base = (low.to(case.q.dtype).double() - ref).abs().max().item()
+        assert (first[0].double().cpu() - ref).abs().max().item() <= 2 * base + FLOOR, spec

@@ -17,6 +17,12 @@ Three kernels:
   program, all splits loaded at once): weights
   ``2^(lse_s - max)``, output ``sum w_s o_s / sum w_s``, lse ``max + log2(sum w)``.
 
+On sm_90 and later the three are launched with programmatic dependent launch (``PDL``): each
+kernel may be scheduled while the kernel before it in the stream finishes, and waits
+(``griddepcontrol.wait``) before its first memory access until that kernel has completed and
+its writes are visible; the split-KV kernel lets the combine kernel be scheduled at once, so
+that the combine's launch overlaps the split-KV kernel instead of following it.
+
 Scores are base 2 as in :mod:`triton_attn` (``qk_scale = scale * log2 e``); softcap and ALiBi
 follow docs/FEATURES.md. A row with no visible key gives 0 and lse ``-inf``.
 """
@@ -30,6 +36,11 @@ import triton
 import triton.language as tl
 
 from .triton_attn import _LN2, _LOG2E, INTERPRET, LOG2E, _tanh
+
+try:  # programmatic dependent launch (sm_90 and later; Triton 3.3 and later)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without them: PDL stays off (_pdl_for)
+    gdc_launch_dependents = gdc_wait = None
 
 try:  # the launch hooks the direct launch checks (_Launch)
     from triton import knobs as _knobs
@@ -56,7 +67,10 @@ def _append_kernel(Knew, Vnew, Kc, Vc, Seqlens, Table, BatchIdx,
                    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_tb,
                    heads_kv, capacity, cache_rows, max_blocks,
                    PAGE_SIZE: tl.constexpr, BATCH_IDX: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # nothing is read or written before the kernel before this one has completed
+        gdc_wait()
+        gdc_launch_dependents()
     b = tl.program_id(0)
     t = tl.program_id(1)
     pos = tl.load(Seqlens + b) + t
@@ -100,7 +114,11 @@ def _decode_kernel(Q, K, V, Seqlens, Table, BatchIdx, Slopes, Out, Ws,
                    PAGE_SIZE: tl.constexpr, BATCH_IDX: tl.constexpr, CAUSAL: tl.constexpr,
                    WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, SOFTCAP: tl.constexpr,
                    ALIBI: tl.constexpr, SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   PDL: tl.constexpr):
+    if PDL:  # (the combine kernel, launched after this one, is scheduled at once and waits)
+        gdc_wait()
+        gdc_launch_dependents()
     split = tl.program_id(0)
     bh = tl.program_id(1)
     Lse = Ws  # the float32 workspace: the lse, then the partial outputs and their lse
@@ -219,9 +237,12 @@ def _decode_kernel(Q, K, V, Seqlens, Table, BatchIdx, Slopes, Out, Ws,
 @triton.jit(do_not_specialize=["seqlen_q", "group", "num_splits"])
 def _combine_kernel(Ws, Out, stride_ob, stride_on, stride_oh, ws_opart, ws_lpart, seqlen_q,
                     group, heads_kv, num_splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr,
+                    PDL: tl.constexpr):
     """Grid (batch * heads_kv, group * Nq, BLOCK_D // BLOCK_DC): one program merges one query
     row's chunk of the head dim over all splits at once (the first chunk writes the lse)."""
+    if PDL:  # the split-KV kernel's partials are complete and visible past this wait
+        gdc_wait()
     Lse = Ws
     Opart = Ws + ws_opart
     Lpart = Ws + ws_lpart
@@ -258,6 +279,27 @@ def not_supported_reasons(key) -> list[str]:
 
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << max(0, n - 1).bit_length())
+
+
+#: whether plans made from now on launch their kernels with programmatic dependent launch where
+#: the GPU has it (sm_90 and later; see the module's docstring); False: plain stream order
+PDL = True
+
+
+def _pdl_for(device: torch.device) -> bool:
+    """Whether a plan on ``device`` launches with programmatic dependent launch."""
+    return (PDL and not INTERPRET and gdc_wait is not None and device.type == "cuda"
+            and _capability(device) >= 9)
+
+
+def _launch_pdl(pdl: bool) -> dict:
+    """The launch option of a plan's kernels (only where it is on: the interpreter takes none)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+@functools.cache
+def _capability(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
 
 
 #: whether a plan's later launches may call the compiled kernel directly (see :class:`_Launch`);
@@ -400,7 +442,7 @@ class DecodeLauncher:
 
     __slots__ = ("batch", "nq", "hq", "splits", "block_m", "block_d", "ws_size", "lse_shape",
                  "dev_index", "has_table", "has_bidx", "has_slopes", "appends", "dev", "launches",
-                 "cfg", "fitted")
+                 "cfg", "fitted", "pdl")
 
     def __init__(self, inp, config: str | None = None) -> None:
         self.cfg = _config(config, inp.key.head_dim)
@@ -427,6 +469,8 @@ class DecodeLauncher:
         self.block_d = block_d
         t_stride = table.stride(0) if table is not None else 0
         t_blocks = table.shape[1] if table is not None else 1
+        pdl = _pdl_for(dev)
+        self.pdl = pdl
         append = None
         if key.appends:
             kn, vn = inp.k, inp.v
@@ -436,7 +480,8 @@ class DecodeLauncher:
                  kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
                  t_stride, hkv, inp.capacity, kc.shape[0], t_blocks),
                 dict(PAGE_SIZE=inp.page_size, BATCH_IDX=bidx is not None, HEAD_DIM=d,
-                     BLOCK_H=_pow2(hkv, 1), BLOCK_D=block_d, num_warps=1),
+                     BLOCK_H=_pow2(hkv, 1), BLOCK_D=block_d, PDL=pdl, num_warps=1,
+                     **_launch_pdl(pdl)),
                 dev,
             )
         block_m = _pow2(group * nq)
@@ -465,8 +510,8 @@ class DecodeLauncher:
             dict(PAGE_SIZE=inp.page_size, BATCH_IDX=bidx is not None, CAUSAL=inp.causal,
                  WINDOW_L=left >= 0, WINDOW_R=right >= 0, SOFTCAP=softcap > 0,
                  ALIBI=slopes is not None, SPLIT=splits > 1, HEAD_DIM=d, BLOCK_D=block_d,
-                 BLOCK_M=block_m, BLOCK_N=cfg.block_n, num_warps=cfg.warps,
-                 num_stages=cfg.stages),
+                 BLOCK_M=block_m, BLOCK_N=cfg.block_n, PDL=pdl, num_warps=cfg.warps,
+                 num_stages=cfg.stages, **_launch_pdl(pdl)),
             dev, checked=7,  # the call's tensors; then out and the workspace
         )
         combine = None
@@ -476,7 +521,7 @@ class DecodeLauncher:
                 _combine_kernel, (batch * hkv, group * nq, block_d // block_dc),
                 (*o_strides, ws_opart, ws_lpart, nq, group, hkv, splits),
                 dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_S=_pow2(splits, 2),
-                     BLOCK_DC=block_dc, num_warps=4),
+                     BLOCK_DC=block_dc, PDL=pdl, num_warps=4, **_launch_pdl(pdl)),
                 dev, checked=0,  # the workspace and out only
             )
         #: (append or None, split-KV, combine or None)
