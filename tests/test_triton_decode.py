@@ -528,3 +528,53 @@ def test_gpu_pdl_gives_the_stream_orders_bits():
                                math_dtype=torch.float32)
         base = (low.to(case.q.dtype).double() - ref).abs().max().item()
         assert (first[0].double().cpu() - ref).abs().max().item() <= 2 * base + FLOOR, spec
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_pdl_kernels_wait_before_their_first_memory_access(monkeypatch, pdl):
+    """The three decode kernels of a plan (append, split-KV, combine), compiled for sm_90 with
+    Triton's compiler and no GPU: with programmatic dependent launch each waits
+    (griddepcontrol.wait) before its first global load, store or atomic in the PTX, and the
+    append and split-KV kernels let the next kernel be scheduled; without it, no griddepcontrol
+    at all. (A kernel that touched memory before the wait could read what the kernel before it
+    has not yet written, or overwrite what it still reads.)"""
+    import os
+    import re
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("TRITON_INTERPRET is set: this process has no compiler-backed kernels")
+    from sparktune import _kvcache
+    from sparktune.kernels import triton_attn
+    from sparktune.kernels import triton_decode as td
+
+    monkeypatch.setattr(td, "_pdl_for", lambda device: pdl)
+    case = make_case(dtype=torch.bfloat16, batch=2, seqlens=(300, 77), capacity=512, hq=8, hkv=2,
+                     d=128, appends=1, page_size=16)
+    args, kw = case.call_args()
+    inp = _kvcache.check_kvcache(*args, **kw)
+    launcher = td.DecodeLauncher(inp, "tdec_n64_w4s2_p3")  # three splits: the combine runs
+    assert launcher.pdl == pdl
+    append, decode, combine = launcher.launches
+    seqlens = _kvcache.seqlens_tensor(inp)
+    out = torch.empty(inp.q.shape, dtype=inp.q.dtype)
+    ws = torch.empty(launcher.ws_size, dtype=torch.float32)
+    tensors = {
+        "append": (append, (inp.k, inp.v, inp.k_cache, inp.v_cache, seqlens, inp.block_table, seqlens)),
+        "split-KV": (decode, (inp.q, inp.k_cache, inp.v_cache, seqlens, inp.block_table, seqlens,
+                              seqlens, out, ws)),
+        "combine": (combine, (ws, out)),
+    }
+    memory = re.compile(r"\b(?:ld|st|atom|red)\.global|\bcp\.async")
+    for name, (launch, ts) in tensors.items():
+        compiled = triton_attn.compile_launch_offline(launch.fn, (*ts, *launch.scalars), launch.kw, 90)
+        ptx = compiled.asm["ptx"]
+        body = ptx[ptx.index(".entry"):]
+        first_access = memory.search(body)
+        assert first_access is not None, name
+        if not pdl:
+            assert "griddepcontrol" not in ptx, name
+            continue
+        assert compiled.metadata.launch_pdl, name
+        wait = body.find("griddepcontrol.wait")
+        assert 0 <= wait < first_access.start(), (name, body[first_access.start() - 200:first_access.end()])
+        assert ("griddepcontrol.launch_dependents" in body) == (name != "combine"), name

@@ -1376,43 +1376,55 @@ def warmup(problem, configs: Iterable[Config | str]) -> dict[str, float]:
     return timings
 
 
-def compile_offline(problem, config: Config | str, arch: int) -> list[dict]:
-    """Compile ``config``'s kernels for ``problem`` for the NVIDIA GPU ``sm_<arch>`` without
-    needing one (Triton's compiler and its bundled ptxas). Returns, per kernel, its name, the
-    shared memory Triton allocates (bytes), registers per thread and stack bytes per thread
-    (spills; both from the cubin, when Triton's cuobjdump is found) and the seconds taken. For checking the support
-    rules; nothing is loaded on a device (Triton's on-disk cache is used as usual)."""
+#: the launch options of a kernel call that are compile options, not kernel parameters
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+
+
+def compile_launch_offline(fn, args, kwargs: dict, arch: int):
+    """Compile the kernel of the launch ``fn[grid](*args, **kwargs)`` for the NVIDIA GPU
+    ``sm_<arch>`` without needing one (Triton's compiler and its bundled ptxas), specialised on
+    the arguments as a launch would be; returns Triton's compiled kernel (its ``asm`` holds the
+    PTX and the cubin)."""
     from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import native_specialize_impl
 
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
+    options = {key: kwargs[key] for key in _LAUNCH_OPTIONS if key in kwargs}
+    values = dict(zip((p.name for p in fn.params), args, strict=False))
+    values.update({k: v for k, v in kwargs.items() if k not in options})
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(fn.params):
+        value = values[param.name]
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constexprs[(i,)] = value
+            continue
+        ty, attr = native_specialize_impl(BaseBackend, value, param.is_const,
+                                          not param.do_not_specialize,
+                                          not param.do_not_specialize_on_alignment)
+        signature[param.name] = ty
+        if ty == "constexpr":
+            constexprs[(i,)] = attr
+        elif isinstance(attr, str) and attr:
+            attrs[(i,)] = backend.parse_attr(attr)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                          options=options)
+
+
+def compile_offline(problem, config: Config | str, arch: int) -> list[dict]:
+    """Compile ``config``'s kernels for ``problem`` for the NVIDIA GPU ``sm_<arch>`` without
+    needing one (Triton's compiler and its bundled ptxas). Returns, per kernel, its name, the
+    shared memory Triton allocates (bytes), registers per thread and stack bytes per thread
+    (spills; both from the cubin, when Triton's cuobjdump is found) and the seconds taken. For checking the support
+    rules; nothing is loaded on a device (Triton's on-disk cache is used as usual)."""
     cfg = _as_config(config, problem.op)
     results = []
     for plan in _spec_plans(problem, cfg):
         fn = plan.kernel
-        options = {key: plan.kwargs[key] for key in ("num_warps", "num_stages") if key in plan.kwargs}
-        values = dict(zip((p.name for p in fn.params), plan.args, strict=False))
-        values.update({k: v for k, v in plan.kwargs.items() if k not in options})
-        signature, constexprs, attrs = {}, {}, {}
-        for i, param in enumerate(fn.params):
-            value = values[param.name]
-            if param.is_constexpr:
-                signature[param.name] = "constexpr"
-                constexprs[(i,)] = value
-                continue
-            ty, attr = native_specialize_impl(BaseBackend, value, param.is_const,
-                                              not param.do_not_specialize,
-                                              not param.do_not_specialize_on_alignment)
-            signature[param.name] = ty
-            if ty == "constexpr":
-                constexprs[(i,)] = attr
-            elif isinstance(attr, str) and attr:
-                attrs[(i,)] = backend.parse_attr(attr)
         t0 = time.perf_counter()
-        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
-                                  options=options)
+        compiled = compile_launch_offline(fn, plan.args, plan.kwargs, arch)
         seconds = time.perf_counter() - t0
         regs, spilled = _resource_usage(compiled.asm.get("cubin"))
         results.append(dict(kernel=getattr(fn, "__name__", plan.label[1]), shared=compiled.metadata.shared, regs=regs,
