@@ -64,6 +64,7 @@ __all__ = [
     "warmup",
     "compiled_labels",
     "compile_offline",
+    "compile_launch_offline",
     "INTERPRET",
 ]
 
