@@ -75,7 +75,14 @@ def main() -> int:
     ap.add_argument("--out", default="")
     ap.add_argument("--eager", action="store_true",
                     help="time eager calls (host launch cost included) instead of CUDA graphs")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="launch the decode kernels in plain stream order, without programmatic "
+                         "dependent launch (triton_decode.PDL; for an A/B)")
     args = ap.parse_args()
+    if args.no_pdl:
+        from sparktune.kernels import triton_decode
+
+        triton_decode.PDL = False
     dev = torch.device("cuda")
     dtype = getattr(torch, args.dtype)
     hq, hkv = (int(x) for x in args.heads.split(","))
@@ -88,7 +95,8 @@ def main() -> int:
         lines.append(line)
 
     out(f"# {torch.cuda.get_device_name(dev)}, {args.dtype}, hd {d}, GQA {hq}:{hkv}, Nq 1, "
-        f"page {args.page_size}, {'eager calls' if args.eager else 'CUDA graphs (all three)'}")
+        f"page {args.page_size}, {'eager calls' if args.eager else 'CUDA graphs (all three)'}, "
+        f"{'plain stream order' if args.no_pdl else 'PDL where the GPU has it'}")
     out(f"{'batch':>5} {'cache':>7} {'sdpa':>7} {'ours':>7} {'paged':>7} {'ours/sdpa':>9} "
         f"{'paged/ours':>10} {'disp':>7} {'disp_pg':>7} {'disp/sdpa':>9}  "
         f"best (contiguous | paged); dispatch's choice (contiguous | paged)")
