@@ -289,17 +289,12 @@ PDL = True
 def _pdl_for(device: torch.device) -> bool:
     """Whether a plan on ``device`` launches with programmatic dependent launch."""
     return (PDL and not INTERPRET and gdc_wait is not None and device.type == "cuda"
-            and _capability(device) >= 9)
+            and torch.cuda.get_device_properties(device).major >= 9)
 
 
 def _launch_pdl(pdl: bool) -> dict:
     """The launch option of a plan's kernels (only where it is on: the interpreter takes none)."""
     return {"launch_pdl": True} if pdl else {}
-
-
-@functools.cache
-def _capability(device: torch.device) -> int:
-    return torch.cuda.get_device_capability(device)[0]
 
 
 #: whether a plan's later launches may call the compiled kernel directly (see :class:`_Launch`);
