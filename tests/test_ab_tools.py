@@ -36,6 +36,22 @@ def test_ab_tree_writes_the_files_of_the_commit(tmp_path):
 
 
 @pytest.mark.skipif(not _git_checkout(), reason="needs a git checkout with a commit")
+def test_ab_tree_replaces_only_a_tree_it_wrote(tmp_path):
+    tool = str(ROOT / "tools" / "ab_tree.sh")
+    out = tmp_path / "old"
+    subprocess.run(["bash", tool, "HEAD", str(out)], capture_output=True, check=True)
+    (out / "stale.txt").write_text("from before")
+    subprocess.run(["bash", tool, "HEAD", str(out)], capture_output=True, check=True)
+    assert not (out / "stale.txt").exists() and (out / "CMakeLists.txt").is_file()
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "keep.txt").write_text("not a tree")
+    res = subprocess.run(["bash", tool, "HEAD", str(other)], capture_output=True, text=True)
+    assert res.returncode == 2 and "was not written by tools/ab_tree.sh" in res.stderr
+    assert (other / "keep.txt").read_text() == "not a tree" and len(list(other.iterdir())) == 1
+
+
+@pytest.mark.skipif(not _git_checkout(), reason="needs a git checkout with a commit")
 def test_ab_tree_names_a_commit_it_cannot_find(tmp_path):
     res = subprocess.run(["bash", str(ROOT / "tools" / "ab_tree.sh"), "no-such-rev-0123", str(tmp_path / "x")],
                          capture_output=True, text=True)

@@ -12,7 +12,14 @@ if [ $# -lt 1 ] || [ $# -gt 2 ]; then
 fi
 sha=$(git rev-parse --short --verify "$1^{commit}") || { echo "ab_tree: no commit $1" >&2; exit 2; }
 dir=${2:-.dev/ab/$sha}
+# DIR is replaced only where this script wrote it (its marker file), so that a DIR given by
+# mistake (the repository root, a source folder) is refused, not emptied
+if [ -e "$dir" ] && [ -n "$(ls -A "$dir" 2>/dev/null)" ] && [ ! -f "$dir/.ab_tree" ]; then
+  echo "ab_tree: $dir exists and was not written by tools/ab_tree.sh; name an empty or new DIR" >&2
+  exit 2
+fi
 rm -rf "$dir"
 mkdir -p "$dir"
 git archive "$sha" CMakeLists.txt pyproject.toml csrc sparktune tools bench | tar -x -C "$dir"
+echo "$sha" > "$dir/.ab_tree"
 echo "$dir"
