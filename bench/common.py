@@ -64,9 +64,15 @@ def seconds_per_call(fn: Callable[[], object], calls: int = 5) -> float:
     return start.elapsed_time(end) / calls / 1e3
 
 
-def time_alternating(fns: dict[str, Callable[[], object]], rounds: int, reps: int) -> dict[str, float]:
+def time_alternating(fns: dict[str, Callable[[], object]], rounds: int, reps: int,
+                     lead_ms: float = 0.0) -> dict[str, float]:
     """Median milliseconds per call of each fn, measured in alternating rounds of ``reps``
-    calls between two CUDA events (every fn called once first)."""
+    calls between two CUDA events (every fn called once first).
+
+    With ``lead_ms`` > 0 the GPU first sleeps that long in each round, before the start event,
+    while the host queues the round's calls behind the sleep: the events then time the GPU's
+    work, and a call's host time counts only where the host cannot keep ahead of the GPU
+    (without it, the first call's host time of every round is inside the timed interval)."""
     import statistics
 
     import torch
@@ -75,9 +81,12 @@ def time_alternating(fns: dict[str, Callable[[], object]], rounds: int, reps: in
     for fn in fns.values():
         fn()
     torch.cuda.synchronize()
+    sleep_cycles = int(lead_ms * gpu_cycles_per_ms()) if lead_ms > 0 else 0
     for _ in range(rounds):
         for name, fn in fns.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if sleep_cycles:
+                torch.cuda._sleep(sleep_cycles)
             start.record()
             for _ in range(reps):
                 fn()
@@ -85,3 +94,24 @@ def time_alternating(fns: dict[str, Callable[[], object]], rounds: int, reps: in
             torch.cuda.synchronize()
             times[name].append(start.elapsed_time(end) / reps)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+_CYCLES_PER_MS: float | None = None
+
+
+def gpu_cycles_per_ms() -> float:
+    """Clock cycles of ``torch.cuda._sleep`` per millisecond on the current GPU, measured once
+    (a 10-million-cycle sleep between two events)."""
+    global _CYCLES_PER_MS
+    if _CYCLES_PER_MS is None:
+        import torch
+
+        cycles = 10_000_000
+        torch.cuda._sleep(cycles // 10)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        torch.cuda.synchronize()
+        _CYCLES_PER_MS = cycles / start.elapsed_time(end)
+    return _CYCLES_PER_MS
