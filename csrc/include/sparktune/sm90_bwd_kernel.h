@@ -569,49 +569,31 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     };
     if constexpr (kScores) {
       // Scores changed by the features (this instantiation runs only calls with softcap or
-      // ALiBi on): S^T, dP^T and the statistics first, then the passes below. The score
-      // is tanh(q.k softcap_in) (soft-capped; exponent multiplier softcap log2 e) or q.k (scale
-      // log2 e); ALiBi's term in the exponent's units is its slope times log2 e times the
-      // distance (the multiplier cancels the forward's division of the slope by softcap or by
-      // scale). Soft-capping's derivative 1 - t^2 goes into dP^T - D where its tanh is at hand.
+      // ALiBi on). The score is tanh(q.k softcap_in) (soft-capped; exponent multiplier softcap
+      // log2 e) or q.k (scale log2 e); ALiBi's term in the exponent's units is its slope times
+      // log2 e times the distance (the multiplier cancels the forward's division of the slope
+      // by softcap or by scale).
+      // ALiBi alone: the plain order, P^T under dP^T's product, then dS^T. Soft-capped: the
+      // tanh in place under dP^T's product, then dP^T - D times soft-capping's derivative
+      // 1 - t^2 (t at hand in S^T's registers), then the exponentials and dS^T (two passes with
+      // a fence between, so that ptxas keeps no tile-wide temporaries in flight: one pass
+      // spilled at head dim 128).
       const float mult = softcap_on ? p.softcap_log2 : p.scale_log2;
       const float cap_in = p.softcap_in;
       const float alibi_log2 =
           alibi_on ? p.alibi_slopes[int64_t(batch) * p.alibi_batch_stride + kv_head * p.group +
                                     at.g] * kLog2e
                    : 0.f;
-      warpgroup_wait<decltype(wait_dp)::value>();  // S^T and dP^T are done
-      warpgroup_fence_operand(acc_s);
-      warpgroup_fence_operand(acc_dp);
       // |i + diag - j| for query i = row0 + qi, key j: the thread's distance at its first
       // column, plus each element's column offset from it (a constant); exact below 2^24
       const int col_base = get<1>(c_rc(0, 0));
-      // Two passes with a fence between, so that ptxas keeps no tile-wide temporaries in flight
-      // (one pass spilled at head dim 128): dP^T - D (times 1 - t^2, t in S^T's registers),
-      // then the exponentials and dS^T. Column pairs outermost, each pair's statistics read
-      // from shared memory there (not held for the whole tile).
-      CUTE_UNROLL
-      for (int c0 = 0; c0 < kCols; c0 += 2) {
-        const float2 d2 = *reinterpret_cast<float2 const*>(d_s + get<1>(c_rc(0, c0)));
-        CUTE_UNROLL
-        for (int r = 0; r < size<0>(s_rc); ++r) {
-          CUTE_UNROLL
-          for (int c = c0; c < c0 + 2; ++c) {
-            const float dpd = dp_rc(r, c) - (c == c0 ? d2.x : d2.y);
-            if (softcap_on) {
-              const float t = sm90::tanh_approx(s_rc(r, c) * cap_in);
-              s_rc(r, c) = t;
-              dp_rc(r, c) = dpd * fmaf(-t, t, 1.f);
-            } else {
-              dp_rc(r, c) = dpd;
-            }
-          }
-        }
-      }
-      warpgroup_fence_operand(acc_s);
-      warpgroup_fence_operand(acc_dp);
-      auto pass = [&](auto mask_tag) {
+      // P^T = exp2(score * mult + ALiBi - lse) (zero where hidden) into S^T's registers, and
+      // with kScaleDp dP^T (already dP^T - D, times 1 - t^2) multiplied by it: dS^T. Column
+      // pairs outermost, each pair's log-sum-exps read from shared memory there (not held for
+      // the whole tile).
+      auto pass = [&](auto mask_tag, auto scale_dp_tag) {
         constexpr bool kMask = decltype(mask_tag)::value;
+        constexpr bool kScaleDp = decltype(scale_dp_tag)::value;
         CUTE_UNROLL
         for (int c0 = 0; c0 < kCols; c0 += 2) {
           const float2 lse2 = *reinterpret_cast<float2 const*>(lse_s + get<1>(c_rc(0, c0)));
@@ -632,15 +614,54 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                 e = hidden ? 0.f : e;
               }
               s_rc(r, c) = e;
-              dp_rc(r, c) *= e;
+              if constexpr (kScaleDp) dp_rc(r, c) *= e;
             }
           }
         }
       };
+      warpgroup_wait<decltype(wait_s)::value>();  // S^T is done, dP^T may still run
+      warpgroup_fence_operand(acc_s);
+      if (!softcap_on) {
+        if (tile_masked()) {
+          pass(cute::true_type{}, cute::false_type{});
+        } else {
+          pass(cute::false_type{}, cute::false_type{});
+        }
+        load_pairs(d_r, d_s);
+        warpgroup_wait<decltype(wait_dp)::value>();  // dP^T is done
+        warpgroup_fence_operand(acc_dp);
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(dp_rc); ++r) {
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(dp_rc); ++c) {
+            dp_rc(r, c) = s_rc(r, c) * (dp_rc(r, c) - d_r[c]);
+          }
+        }
+        return;
+      }
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) acc_s(i) = sm90::tanh_approx(acc_s(i) * cap_in);
+      warpgroup_fence_operand(acc_s);
+      warpgroup_wait<decltype(wait_dp)::value>();  // dP^T is done
+      warpgroup_fence_operand(acc_dp);
+      CUTE_UNROLL
+      for (int c0 = 0; c0 < kCols; c0 += 2) {
+        const float2 d2 = *reinterpret_cast<float2 const*>(d_s + get<1>(c_rc(0, c0)));
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(s_rc); ++r) {
+          CUTE_UNROLL
+          for (int c = c0; c < c0 + 2; ++c) {
+            const float t = s_rc(r, c);
+            dp_rc(r, c) = (dp_rc(r, c) - (c == c0 ? d2.x : d2.y)) * fmaf(-t, t, 1.f);
+          }
+        }
+      }
+      warpgroup_fence_operand(acc_s);
+      warpgroup_fence_operand(acc_dp);
       if (tile_masked()) {
-        pass(cute::true_type{});
+        pass(cute::true_type{}, cute::true_type{});
       } else {
-        pass(cute::false_type{});
+        pass(cute::false_type{}, cute::true_type{});
       }
       return;
     }
