@@ -454,6 +454,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // the exponent's multiplier of a score (base 2): scale log2 e, or softcap log2 e for the
   // soft-capped scores (modify_s below)
   const float scale_log2 = p.softcap > 0.f ? p.softcap_log2 : p.scale_log2;
+  // The running maximum a row's exponentials are taken against: the row's new maximum `mx`
+  // only where it exceeds the old one `prev` by more than kMaxSlack in the exponent's units
+  // (base 2), else `prev` again, so that the unnormalised probabilities stay below 2^kMaxSlack
+  // (exact in fp32 and in the 16-bit P) and the factor O and the row sum take is exactly 1.
+  // A warp whose rows all keep their maximum skips O's rescaling (a warp vote): after a
+  // tile's first blocks the maximum rarely grows that much, and the multiplications of O
+  // stood between a block's P V product and the next block's products. A row with no
+  // visible key yet (-inf) takes the new one (-inf - -inf is NaN: not kept).
+  // Only in the plain order and with ping-pong: the overlapped order without ping-pong
+  // (ov1_pp0) measured 2-4% slower with it (the branch around O's rescaling), the others
+  // 1-3% faster (BENCHMARKS.md "The running maximum with slack").
+  constexpr bool kMaxSkip = !Traits::kOverlap || Traits::kPingpong;
+  constexpr float kMaxSlack = 8.f;
+  auto running_max = [&](const float prev, const float mx) {
+    if constexpr (kMaxSkip) return (mx - prev) * scale_log2 <= kMaxSlack ? prev : mx;
+    else return mx;
+  };
   int stage = 0, phase = 0, q_round = 0;
 
   // one tile, or (persistent) the tiles of the producer's messages until the end message
@@ -568,14 +585,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
       // online softmax, base 2; a row is spread over the four lanes of a quad
       Tensor o_rc = make_tensor(acc_o.data(), sm90::rowcol_view(acc_o.layout()));
+      float alpha[kRows];
+      bool moved = false;
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         float mx = row_max[r];
         CUTE_UNROLL
         for (int c = 0; c < size<1>(s_rc); ++c) mx = fmaxf(mx, s_rc(r, c));
-        mx = allreduce_xor<2>(mx, MaxOp{});
+        mx = running_max(row_max[r], allreduce_xor<2>(mx, MaxOp{}));
+        moved |= mx != row_max[r];
         const float base = mx == kNegInf ? 0.f : mx * scale_log2;
-        const float alpha = exp2f(row_max[r] * scale_log2 - base);
+        alpha[r] = exp2f(row_max[r] * scale_log2 - base);
         row_max[r] = mx;
         float sum = 0.f;
         CUTE_UNROLL
@@ -584,9 +604,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           s_rc(r, c) = e;
           sum += e;
         }
-        row_sum[r] = row_sum[r] * alpha + sum;
+        row_sum[r] = row_sum[r] * alpha[r] + sum;
+      }
+      if (__any_sync(0xffffffffu, moved)) {
         CUTE_UNROLL
-        for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= alpha;
+        for (int r = 0; r < kRows; ++r) {
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= alpha[r];
+        }
       }
 
       // O += P V with P from registers
@@ -637,14 +662,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // unnormalised probabilities, the row statistics move on, alpha[r] is what O's row r is
       // to be multiplied by once the pending P V product has landed in it
       float alpha[kRows];
+      bool moved = false;  // some row of the warp took a new maximum (running_max)
       auto softmax_s = [&](auto& acc_s) {
         Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
+        moved = false;
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
           float mx = row_max[r];
           CUTE_UNROLL
           for (int c = 0; c < size<1>(s_rc); ++c) mx = fmaxf(mx, s_rc(r, c));
-          mx = allreduce_xor<2>(mx, MaxOp{});
+          mx = running_max(row_max[r], allreduce_xor<2>(mx, MaxOp{}));
+          moved |= mx != row_max[r];
           const float base = mx == kNegInf ? 0.f : mx * scale_log2;
           alpha[r] = exp2f(row_max[r] * scale_log2 - base);
           row_max[r] = mx;
@@ -657,8 +685,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           }
           row_sum[r] = row_sum[r] * alpha[r] + sum;
         }
+        if constexpr (kMaxSkip) moved = __any_sync(0xffffffffu, moved);  // voted here, ahead of the P V wait
       };
       auto rescale_o = [&]() {
+        if constexpr (kMaxSkip) {
+          if (!moved) return;  // every factor of the warp is 1
+        }
         Tensor o_rc = make_tensor(acc_o.data(), sm90::rowcol_view(acc_o.layout()));
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
