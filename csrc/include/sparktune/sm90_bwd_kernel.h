@@ -555,6 +555,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         dst[c + 1] = v.y;
       }
     };
+    // dS^T = P^T (dP^T - D) once dP^T's product is done, P^T in S^T's registers (the plain
+    // order's last pass, also ALiBi's)
+    auto ds_from_p = [&]() {
+      load_pairs(d_r, d_s);
+      warpgroup_wait<decltype(wait_dp)::value>();  // dP^T is done
+      warpgroup_fence_operand(acc_dp);
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(dp_rc); ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(dp_rc); ++c) {
+          dp_rc(r, c) = s_rc(r, c) * (dp_rc(r, c) - d_r[c]);
+        }
+      }
+    };
     // a key of the tile outside some row's band (the key tail, the band's right edge, its left
     // edge; the rows past seqlen_q need no mask: their P^T is 0 through lse = +inf)
     // (worked out where the plain kernel always did: after S^T's wait)
@@ -627,16 +641,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         } else {
           pass(cute::false_type{}, cute::false_type{});
         }
-        load_pairs(d_r, d_s);
-        warpgroup_wait<decltype(wait_dp)::value>();  // dP^T is done
-        warpgroup_fence_operand(acc_dp);
-        CUTE_UNROLL
-        for (int r = 0; r < size<0>(dp_rc); ++r) {
-          CUTE_UNROLL
-          for (int c = 0; c < size<1>(dp_rc); ++c) {
-            dp_rc(r, c) = s_rc(r, c) * (dp_rc(r, c) - d_r[c]);
-          }
-        }
+        ds_from_p();
         return;
       }
       CUTE_UNROLL
@@ -696,16 +701,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       }
     }
-    load_pairs(d_r, d_s);
-    warpgroup_wait<decltype(wait_dp)::value>();  // dP^T is done
-    warpgroup_fence_operand(acc_dp);
-    CUTE_UNROLL
-    for (int r = 0; r < size<0>(dp_rc); ++r) {
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(dp_rc); ++c) {
-        dp_rc(r, c) = s_rc(r, c) * (dp_rc(r, c) - d_r[c]);
-      }
-    }
+    ds_from_p();
   };
   // dS^T (16-bit) of step `at` to its shared buffer, where dQ's product reads it as dS
   auto store_ds = [&](Step const& at, auto const& rDs) {
