@@ -16,6 +16,10 @@
 #       kernels), ncu:KERNEL (Nsight Compute), features (the Triton features' check, no timing),
 #       decode (tools/gpu_check_decode.py and bench/decode_bandwidth.py), modelsdecode (the
 #       models' greedy decoding against a static cache of 2k and 8k tokens).
+#       records:FILE:OP:SECONDS (shipped records: tune OP (fwd or bwd) of the recipe FILE, the
+#       Triton and sm80 families left out as for the shipped H200 records, into
+#       /tmp/records.sqlite3, shared by the call's records steps, then export that database per
+#       GPU model into $OUT/tuning_db/, the layout of tuning_db/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -92,6 +96,13 @@ for step in "$@"; do
       SPARKTUNE_DB=/tmp/fresh-$$.sqlite3 timeout 300 python3 -m sparktune.benchmark.models --mode decode \
         --seqlen 2048 8192 --batch 8 > "$logs/modelsdecode.log" 2>&1 || rc=1
       grep -E "decode|geomean" "$logs/modelsdecode.log" ;;
+    records:*)
+      IFS=: read -r _ file op secs <<< "$step"
+      timeout "$secs" python3 -m sparktune tune --recipe "$file" --op "$op" --no-leases --no-progress \
+        --exclude 'triton:*' --exclude 'spark:*_sm80_*' --db /tmp/records.sqlite3 \
+        >> "$logs/records.log" 2>&1 || rc=1
+      python3 -m sparktune db export --db /tmp/records.sqlite3 --per-device "${OUT:-/tmp/out}/tuning_db" \
+        >> "$logs/records.log" 2>&1 || rc=1 ;;
     recipe:*)
       IFS=: read -r _ file secs <<< "$step"
       timeout "$secs" python3 -m sparktune tune --recipe "$file" --no-leases --no-progress \
