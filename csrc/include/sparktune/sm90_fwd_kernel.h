@@ -463,13 +463,51 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // stood between a block's P V product and the next block's products. A row with no
   // visible key yet (-inf) takes the new one (-inf - -inf is NaN: not kept).
   // Only in the plain order and with ping-pong: the overlapped order without ping-pong
-  // (ov1_pp0) measured 2-4% slower with it (the branch around O's rescaling), the others
-  // 1-3% faster (BENCHMARKS.md "The running maximum with slack").
+  // (ov1_pp0) measured 2-4% slower with it (most likely the branch around O's rescaling; not
+  // profiled), the others up to 3% faster (BENCHMARKS.md "The running maximum with slack").
   constexpr bool kMaxSkip = !Traits::kOverlap || Traits::kPingpong;
   constexpr float kMaxSlack = 8.f;
   auto running_max = [&](const float prev, const float mx) {
     if constexpr (kMaxSkip) return (mx - prev) * scale_log2 <= kMaxSlack ? prev : mx;
     else return mx;
+  };
+  // One key block's online softmax (base 2; a row is spread over the four lanes of a quad):
+  // S becomes the unnormalised probabilities, the row statistics move on, alpha[r] gets the
+  // factor O's row r is to be multiplied by. Returns whether O needs it: whether some row of
+  // the warp took a new maximum (a warp vote) where kMaxSkip, else always.
+  auto online_softmax = [&](auto& acc_s, float* alpha) -> bool {
+    Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
+    bool moved = false;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float mx = row_max[r];
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s_rc); ++c) mx = fmaxf(mx, s_rc(r, c));
+      mx = running_max(row_max[r], allreduce_xor<2>(mx, MaxOp{}));
+      moved |= mx != row_max[r];
+      const float base = mx == kNegInf ? 0.f : mx * scale_log2;
+      alpha[r] = exp2f(row_max[r] * scale_log2 - base);
+      row_max[r] = mx;
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s_rc); ++c) {
+        const float e = exp2f(fmaf(s_rc(r, c), scale_log2, -base));
+        s_rc(r, c) = e;
+        sum += e;
+      }
+      row_sum[r] = row_sum[r] * alpha[r] + sum;
+    }
+    if constexpr (kMaxSkip) return __any_sync(0xffffffffu, moved);
+    else return true;
+  };
+  // O's rows times the factors of online_softmax
+  auto rescale_o = [&](float const* alpha) {
+    Tensor o_rc = make_tensor(acc_o.data(), sm90::rowcol_view(acc_o.layout()));
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= alpha[r];
+    }
   };
   int stage = 0, phase = 0, q_round = 0;
 
@@ -579,40 +617,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       warpgroup_wait<0>();
       if (lane == 0) k_empty[stage].arrive();
 
-      Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
       if (softcap_on || alibi_on) modify_s(acc_s, n);
       if constexpr (kMask) mask_s(acc_s, n);  // the band's edges and the key tail
 
-      // online softmax, base 2; a row is spread over the four lanes of a quad
-      Tensor o_rc = make_tensor(acc_o.data(), sm90::rowcol_view(acc_o.layout()));
       float alpha[kRows];
-      bool moved = false;
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        float mx = row_max[r];
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(s_rc); ++c) mx = fmaxf(mx, s_rc(r, c));
-        mx = running_max(row_max[r], allreduce_xor<2>(mx, MaxOp{}));
-        moved |= mx != row_max[r];
-        const float base = mx == kNegInf ? 0.f : mx * scale_log2;
-        alpha[r] = exp2f(row_max[r] * scale_log2 - base);
-        row_max[r] = mx;
-        float sum = 0.f;
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(s_rc); ++c) {
-          const float e = exp2f(fmaf(s_rc(r, c), scale_log2, -base));
-          s_rc(r, c) = e;
-          sum += e;
-        }
-        row_sum[r] = row_sum[r] * alpha[r] + sum;
-      }
-      if (__any_sync(0xffffffffu, moved)) {
-        CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-          CUTE_UNROLL
-          for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= alpha[r];
-        }
-      }
+      if (online_softmax(acc_s, alpha)) rescale_o(alpha);
 
       // O += P V with P from registers
       Tensor rP = convert_fragment<T>(acc_s);
@@ -658,46 +667,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (cwg == 1) cutlass::arch::NamedBarrier::arrive(256, kSchedBarrier + 0);
       }
 
-      // online softmax of S (base 2, a row over the four lanes of a quad): S becomes the
-      // unnormalised probabilities, the row statistics move on, alpha[r] is what O's row r is
-      // to be multiplied by once the pending P V product has landed in it
+      // the factors of O's rows from a block's softmax, applied once the pending P V product
+      // has landed in O; `moved`: whether they are needed (online_softmax, voted ahead of the
+      // P V wait)
       float alpha[kRows];
-      bool moved = false;  // some row of the warp took a new maximum (running_max)
-      auto softmax_s = [&](auto& acc_s) {
-        Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
-        moved = false;
-        CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-          float mx = row_max[r];
-          CUTE_UNROLL
-          for (int c = 0; c < size<1>(s_rc); ++c) mx = fmaxf(mx, s_rc(r, c));
-          mx = running_max(row_max[r], allreduce_xor<2>(mx, MaxOp{}));
-          moved |= mx != row_max[r];
-          const float base = mx == kNegInf ? 0.f : mx * scale_log2;
-          alpha[r] = exp2f(row_max[r] * scale_log2 - base);
-          row_max[r] = mx;
-          float sum = 0.f;
-          CUTE_UNROLL
-          for (int c = 0; c < size<1>(s_rc); ++c) {
-            const float e = exp2f(fmaf(s_rc(r, c), scale_log2, -base));
-            s_rc(r, c) = e;
-            sum += e;
-          }
-          row_sum[r] = row_sum[r] * alpha[r] + sum;
-        }
-        if constexpr (kMaxSkip) moved = __any_sync(0xffffffffu, moved);  // voted here, ahead of the P V wait
-      };
-      auto rescale_o = [&]() {
-        if constexpr (kMaxSkip) {
-          if (!moved) return;  // every factor of the warp is 1
-        }
-        Tensor o_rc = make_tensor(acc_o.data(), sm90::rowcol_view(acc_o.layout()));
-        CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-          CUTE_UNROLL
-          for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= alpha[r];
-        }
-      };
+      bool moved = false;
       // P of the previous block, kept in registers until its P V product is done
       Tensor rP = make_tensor<T>(typename AccS::layout_type{});
       Tensor tOrP = make_tensor(rP.data(), sm90::acc_as_operand_a(rP.layout()));
@@ -724,7 +698,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (lane == 0) k_empty[stage].arrive();
         if (softcap_on || alibi_on) modify_s(acc_s, n);
         if (needs_mask(n)) mask_s(acc_s, n);
-        softmax_s(acc_s);
+        moved = online_softmax(acc_s, alpha);
         sm90::convert_into(acc_s, rP);
         advance();
       }
@@ -742,12 +716,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (lane == 0) k_empty[stage].arrive();
         if (softcap_on || alibi_on) modify_s(acc_s, n);
         if constexpr (kMask) mask_s(acc_s, n);
-        softmax_s(acc_s);
+        moved = online_softmax(acc_s, alpha);
         warpgroup_wait<0>();  // O and P_{j-1} are free again
         warpgroup_fence_operand(acc_o);
         warpgroup_fence_operand(rP);
         if (lane == 0) v_empty[pstage].arrive();
-        rescale_o();
+        if (moved) rescale_o(alpha);
         sm90::convert_into(acc_s, rP);
         advance();
       };
