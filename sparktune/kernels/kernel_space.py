@@ -447,7 +447,9 @@ def default_build(entries: list, shipped_dir=None) -> list:
     without a tuning run of the user's own, i.e. the default of every (family, op, dtype,
     head dim) and the shipped winners."""
     winners = shipped_winners(shipped_dir)
-    return [e for e in entries if is_default(e) or e.name in winners]
+    # a configuration that waits for its first GPU check is never built by default, even where
+    # a shipped record names it
+    return [e for e in entries if (is_default(e) or e.name in winners) and not is_unverified(e.name)]
 
 
 def build_selection(entries: list, spec: str | None, shipped_dir=None) -> list:
