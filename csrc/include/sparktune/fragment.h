@@ -1,8 +1,11 @@
-// Register-fragment helpers: layout views of MMA accumulators and packed type conversion.
+// Register-fragment helpers: layout views of MMA accumulators, packed type conversion and
+// the online softmax's row steps.
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
+
+#include <cmath>
 
 namespace sparktune {
 
@@ -51,5 +54,38 @@ struct MaxOp {
 struct SumOp {
   CUTE_DEVICE float operator()(float a, float b) const { return a + b; }
 };
+
+// The online softmax's steps for one row (base 2), shared by the forward families.
+// The largest of row r's scores in a row-column view, starting from `init`.
+template <class RowCol>
+CUTE_DEVICE float row_max_of(RowCol const& s_rc, int r, float init) {
+  CUTE_UNROLL
+  for (int c = 0; c < size<1>(s_rc); ++c) init = fmaxf(init, s_rc(r, c));
+  return init;
+}
+
+// The row's running maximum moves to `mx` (already reduced over the lanes that share the
+// row): returns the base the row's exponents take (0 while no key is visible, mx = -inf) and
+// sets `alpha`, the factor of the row's old sum and of its output row.
+CUTE_DEVICE float softmax_row_step(float& row_max, float mx, float scale_log2, float& alpha) {
+  const float base = mx == -INFINITY ? 0.f : mx * scale_log2;
+  alpha = exp2f(row_max * scale_log2 - base);
+  row_max = mx;
+  return base;
+}
+
+// Row r of a row-column view of scores becomes exp2(s * scale_log2 - base) in place; returns
+// the row's sum.
+template <class RowCol>
+CUTE_DEVICE float exp2_row(RowCol& s_rc, int r, float scale_log2, float base) {
+  float sum = 0.f;
+  CUTE_UNROLL
+  for (int c = 0; c < size<1>(s_rc); ++c) {
+    const float e = exp2f(fmaf(s_rc(r, c), scale_log2, -base));
+    s_rc(r, c) = e;
+    sum += e;
+  }
+  return sum;
+}
 
 }  // namespace sparktune

@@ -256,20 +256,11 @@ __global__ void __launch_bounds__(Traits::kThreads)
       Tensor o_rc = make_tensor(acc_o.data(), rowcol_view(acc_o.layout()));
       CUTE_UNROLL
       for (int r = 0; r < kStateRows; ++r) {
-        float mx = row_max[r];
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(s_rc); ++c) mx = fmaxf(mx, s_rc(r, c));
-        mx = allreduce_xor<2>(mx, MaxOp{});  // the four lanes of a quad share a row
-        const float base = mx == kNegInf ? 0.f : mx * scale_log2;
-        const float alpha = exp2f(row_max[r] * scale_log2 - base);
-        row_max[r] = mx;
-        float sum = 0.f;
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(s_rc); ++c) {
-          const float e = exp2f(fmaf(s_rc(r, c), scale_log2, -base));
-          s_rc(r, c) = e;
-          sum += e;
-        }
+        // the four lanes of a quad share a row
+        const float mx = allreduce_xor<2>(row_max_of(s_rc, r, row_max[r]), MaxOp{});
+        float alpha;
+        const float base = softmax_row_step(row_max[r], mx, scale_log2, alpha);
+        const float sum = exp2_row(s_rc, r, scale_log2, base);
         row_sum[r] = row_sum[r] * alpha + sum;
         CUTE_UNROLL
         for (int c = 0; c < size<1>(o_rc); ++c) {
@@ -288,9 +279,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
         CUTE_UNROLL
         for (int c = lane_in_row; c < kBlockN; c += kRT) mx = fmaxf(mx, srow[c]);
         mx = allreduce_xor<kRT / 2>(mx, MaxOp{});
-        const float base = mx == kNegInf ? 0.f : mx * scale_log2;
-        const float alpha = exp2f(row_max[rr] * scale_log2 - base);
-        row_max[rr] = mx;
+        float alpha;
+        const float base = softmax_row_step(row_max[rr], mx, scale_log2, alpha);
         float sum = 0.f;
         CUTE_UNROLL
         for (int c = lane_in_row; c < kBlockN; c += kRT) {

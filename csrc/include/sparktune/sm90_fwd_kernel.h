@@ -480,21 +480,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     bool moved = false;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      float mx = row_max[r];
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s_rc); ++c) mx = fmaxf(mx, s_rc(r, c));
-      mx = running_max(row_max[r], allreduce_xor<2>(mx, MaxOp{}));
+      const float mx =
+          running_max(row_max[r], allreduce_xor<2>(row_max_of(s_rc, r, row_max[r]), MaxOp{}));
       moved |= mx != row_max[r];
-      const float base = mx == kNegInf ? 0.f : mx * scale_log2;
-      alpha[r] = exp2f(row_max[r] * scale_log2 - base);
-      row_max[r] = mx;
-      float sum = 0.f;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s_rc); ++c) {
-        const float e = exp2f(fmaf(s_rc(r, c), scale_log2, -base));
-        s_rc(r, c) = e;
-        sum += e;
-      }
+      const float base = softmax_row_step(row_max[r], mx, scale_log2, alpha[r]);
+      const float sum = exp2_row(s_rc, r, scale_log2, base);
       row_sum[r] = row_sum[r] * alpha[r] + sum;
     }
     if constexpr (kMaxSkip) return __any_sync(0xffffffffu, moved);
