@@ -35,6 +35,11 @@ if [ "$patterns" = prebuilt ] || ! python3 -c "import sparktune._C" 2>/dev/null 
 fi
 export PYTHONPATH=/tmp/site:$PWD
 rc=0
+# the records steps' database, exported per GPU model into $OUT/tuning_db/ (the layout of tuning_db/)
+export_records() {
+  python3 -m sparktune db export --db /tmp/records.sqlite3 --per-device "${OUT:-/tmp/out}/tuning_db" \
+    >> "$logs/records.log" 2>&1 || rc=1
+}
 for step in "$@"; do
   t0=$(date +%s)
   case $step in
@@ -104,13 +109,11 @@ for step in "$@"; do
       timeout "$secs" python3 -m sparktune tune --recipe "$file" --op "$op" --no-leases --no-progress \
         --exclude 'triton:*' --exclude 'spark:*_sm80_*' --db /tmp/records.sqlite3 \
         >> "$logs/records.log" 2>&1 || rc=1
-      python3 -m sparktune db export --db /tmp/records.sqlite3 --per-device "${OUT:-/tmp/out}/tuning_db" \
-        >> "$logs/records.log" 2>&1 || rc=1 ;;
+      export_records ;;
     decoderecords:*)
       timeout "${step#decoderecords:}" python3 -m sparktune tune --recipe recipes/decode.yaml --trials 20 \
         --timeout 14 --no-leases --no-progress --db /tmp/records.sqlite3 >> "$logs/records.log" 2>&1 || rc=1
-      python3 -m sparktune db export --db /tmp/records.sqlite3 --per-device "${OUT:-/tmp/out}/tuning_db" \
-        >> "$logs/records.log" 2>&1 || rc=1 ;;
+      export_records ;;
     recipe:*)
       IFS=: read -r _ file secs <<< "$step"
       timeout "$secs" python3 -m sparktune tune --recipe "$file" --no-leases --no-progress \
