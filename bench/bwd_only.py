@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,10 @@ def main(argv=None) -> int:
     add_sweep_arguments(ap)
     ap.add_argument("--kernels", default="bwd_*", help="shell patterns of backward configs, comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--l2-mb", default="",
+                    help="comma-separated L2 budgets (MB) of the family 90 backward's sectioned order "
+                         "(SPARKTUNE_SM90_BWD_L2_MB, read at each launch; 0: key blocks of one pair "
+                         "after another), each timed as its own candidate")
     args = ap.parse_args(argv)
 
     from sparktune.backends.spark import SparkBackend, load_extension
@@ -58,6 +63,15 @@ def main(argv=None) -> int:
             cands[name] = run
             if infos[name]["family"] == 90:
                 cands["det:" + name] = lambda run=run: run(det=True)
+                for mb in filter(None, args.l2_mb.split(",")):
+                    def with_budget(run=run, mb=mb, det=False):
+                        os.environ["SPARKTUNE_SM90_BWD_L2_MB"] = mb
+                        try:
+                            run(det=det)
+                        finally:
+                            os.environ.pop("SPARKTUNE_SM90_BWD_L2_MB", None)
+                    cands[f"l2={mb}:{name}"] = with_budget
+                    cands[f"det:l2={mb}:{name}"] = lambda f=with_budget: f(det=True)
         flops = 2.5 * 4 * b * h * n * n * d * (0.5 if causal else 1.0)
         best = {c: math.inf for c in cands}
         for _ in range(args.rounds):

@@ -480,3 +480,55 @@ def test_packed_training_call_forced_to_spark_runs_the_sm90_backward():
         ran.append(tag)
     if not ran:
         pytest.skip(f"needs an sm90 forward and backward of head dim {d} (fp16 or bf16)")
+
+
+@pytest.mark.gpu
+@needs_ext
+@pytest.mark.parametrize("name", SM90_KERNELS)
+def test_sm90_backward_block_orders_give_the_same_gradients(name, monkeypatch):
+    """The family 90 backward's causal and windowed launches take their blocks in sections of
+    (kv head, batch) pairs whose size follows an L2 budget (SPARKTUNE_SM90_BWD_L2_MB, read at
+    each launch; 0: one pair after another): budgets that give sections of 1, 3, 4 (the last
+    section short) and all 9 pairs of a GQA problem give bit-identical gradients in
+    deterministic mode (each dQ sum in its fixed order, dk and dv of each key block alone), the
+    same dk and dv bits and a dq within rounding in the default mode, within the 2x rule of
+    float64 autograd."""
+    b = SparkBackend()
+    _, dtype, d, _ = _runnable(b, name)  # (skips where the GPU is not sm_90)
+    eps = torch.finfo(dtype).eps
+    bs, hq, hk, n = 3, 6, 3, 1000
+    pair_mb = (hq // hk) * n * d * (2 * 2 + 4) / 2**20  # Q, dO and the fp32 dQ workspace
+    budgets = ["0", str(int(3 * pair_mb) + 1), str(int(4 * pair_mb) + 1), "100000"]  # 1, 3, 4, 9 pairs
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v, dout = (torch.randn(bs, h, n, d, device="cuda", dtype=dtype, generator=gen)
+                     for h in (hq, hk, hk, hq))
+    scale = d ** -0.5
+    for causal, window in ((True, None), (False, (300, 40))):
+        kw = {"window": window} if window else {}
+        if window:
+            out, lse = reference_attention(q, k, v, causal, scale, window=window)
+            out, lse = out.to(dtype), lse.float()
+        else:
+            out, lse = _forward(q, k, v, causal, scale)
+        runs = {}
+        for det in (True, False):
+            for mb in budgets:
+                monkeypatch.setenv("SPARKTUNE_SM90_BWD_L2_MB", mb)
+                grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+                b.backward(dout, q, k, v, out, lse, *grads, config=name, causal=causal,
+                           scale=scale, deterministic=det, **kw)
+                torch.cuda.synchronize()
+                runs[det, mb] = grads
+        what = f"{name} causal={causal} window={window}"
+        first = runs[True, "0"]
+        if not window:
+            assert_grads_close_to_reference(first, q, k, v, dout, causal=causal, scale=scale, what=what)
+        for (det, mb), grads in runs.items():
+            for g0, g, gname in zip(first, grads, ("dq", "dk", "dv"), strict=True):
+                assert not torch.isnan(g).any(), f"{what} budget {mb} MB: unwritten or NaN {gname}"
+                if det or gname != "dq":
+                    assert torch.equal(g0, g), f"{what} det={det} budget {mb} MB: {gname} differs"
+                else:
+                    move = float((g0.float() - g.float()).abs().max())
+                    assert move <= 2 * eps * float(g0.float().abs().max()) + 1e-6, (
+                        f"{what} budget {mb} MB: dq moved by {move:.3g}")

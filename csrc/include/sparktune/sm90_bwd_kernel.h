@@ -1,4 +1,5 @@
-// The Hopper backward kernel: one thread block per (key block, kv head, batch).
+// The Hopper backward kernel: one thread block per (key block, kv head, batch), in the order
+// the launch sets (sm90_bwd_launch.h: causal and windowed launches in sections of pairs).
 //
 // Warpgroup 0 is the producer: it gives its registers away (setmaxnreg); its first thread
 // loads K and V once and then, for every query head of the kv head's group and every query
@@ -298,10 +299,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // deterministic and limited on the right (causal, a window): the grid runs from the last key
   // block (see BwdWalk::turn)
   using Walk = sm90::BwdWalk<kFeatures>;
-  const int n_block =
-      deterministic && Walk::descending(p) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int kv_head = blockIdx.y;
-  const int batch = blockIdx.z;
+  // The grid: (key block, kv head, batch), or with p.tile_section > 0 (sm90_bwd_launch.h) the
+  // (kv head, batch) pairs in sections of that many, (pair within the section, key block,
+  // section), so that each section's heaviest key blocks start first; either way the key
+  // blocks of one pair are dispatched in ascending grid order, which deterministic mode needs.
+  const bool sectioned = p.tile_section > 0;
+  const int key_index = sectioned ? blockIdx.y : blockIdx.x;
+  const int key_blocks = sectioned ? gridDim.y : gridDim.x;
+  const int n_block = deterministic && Walk::descending(p) ? key_blocks - 1 - key_index : key_index;
+  int kv_head = blockIdx.y, batch = blockIdx.z;
+  if (sectioned) {
+    const int pair = blockIdx.z * p.tile_section + blockIdx.x;
+    if (pair >= p.heads_kv * p.batch) return;  // the last section's missing pairs
+    batch = pair / p.heads_kv;
+    kv_head = pair - batch * p.heads_kv;
+  }
   const int key0 = n_block * kBlockN;
   // The block's sequence: its lengths and first rows (0 unless packed, where sequence `batch`
   // is rows cu_seqlens[batch] .. of the packed tensors and the grid spans the longest one)
