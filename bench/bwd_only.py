@@ -74,9 +74,12 @@ def main(argv=None) -> int:
                     cands[f"det:l2={mb}:{name}"] = lambda f=with_budget: f(det=True)
         flops = 2.5 * 4 * b * h * n * n * d * (0.5 if causal else 1.0)
         best = {c: math.inf for c in cands}
-        for _ in range(args.rounds):
-            for c, fn in cands.items():
-                best[c] = min(best[c], seconds_per_call(fn))
+        # each round starts one candidate further on, so that every candidate is timed after
+        # each of the others (what ran just before moved a kernel's time by a few percent)
+        order = list(cands)
+        for r in range(args.rounds):
+            for c in order[r % len(order):] + order[:r % len(order)]:
+                best[c] = min(best[c], seconds_per_call(cands[c]))
         base = flops / best["cudnn"] / 1e12
         cells = "  ".join(f"{c.replace('bwd_', '')}={flops / t / 1e12:.0f} ({flops / t / 1e12 / base:.2f}x)"
                           for c, t in best.items() if c != "cudnn")
