@@ -60,7 +60,10 @@ struct FwdParams {
 
   // The family 90 forward's tile order (set by its launch): > 0, the (head, batch) pairs in
   // sections of this many (the query heads of whole kv heads, whose K and V stay in L2
-  // together), each section's row blocks heaviest first; 0, the grid's order.
+  // together), each section's row blocks heaviest first; 0, the grid's order. The family 90
+  // backward's launch sets it too (BwdParams): > 0, the (kv head, batch) pairs in sections of
+  // this many, grid (pair within the section, key block, section); 0, grid (key block, kv
+  // head, batch).
   int tile_section = 0;
 
   // The family 90 persistent forward (`_ps1`) only; the other kernels never read it. Null: each
