@@ -301,8 +301,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using Walk = sm90::BwdWalk<kFeatures>;
   // The grid: (key block, kv head, batch), or with p.tile_section > 0 (sm90_bwd_launch.h) the
   // (kv head, batch) pairs in sections of that many, (pair within the section, key block,
-  // section), so that each section's heaviest key blocks start first; either way the key
-  // blocks of one pair are dispatched in ascending grid order, which deterministic mode needs.
+  // section), so that the key blocks of one index start together across a section's pairs
+  // (the heaviest first, but for the deterministic mode's reversed order above); either way a
+  // pair's key blocks are dispatched in the order of their grid index, which that mode needs.
   const bool sectioned = p.tile_section > 0;
   const int key_index = sectioned ? blockIdx.y : blockIdx.x;
   const int key_blocks = sectioned ? gridDim.y : gridDim.x;
