@@ -65,11 +65,15 @@ def main(argv=None) -> int:
                 cands["det:" + name] = lambda run=run: run(det=True)
                 for mb in filter(None, args.l2_mb.split(",")):
                     def with_budget(run=run, mb=mb, det=False):
+                        before = os.environ.get("SPARKTUNE_SM90_BWD_L2_MB")
                         os.environ["SPARKTUNE_SM90_BWD_L2_MB"] = mb
                         try:
                             run(det=det)
-                        finally:
-                            os.environ.pop("SPARKTUNE_SM90_BWD_L2_MB", None)
+                        finally:  # the caller's own setting for the other candidates
+                            if before is None:
+                                os.environ.pop("SPARKTUNE_SM90_BWD_L2_MB", None)
+                            else:
+                                os.environ["SPARKTUNE_SM90_BWD_L2_MB"] = before
                     cands[f"l2={mb}:{name}"] = with_budget
                     cands[f"det:l2={mb}:{name}"] = lambda f=with_budget: f(det=True)
         flops = 2.5 * 4 * b * h * n * n * d * (0.5 if causal else 1.0)

@@ -130,16 +130,17 @@ def _acc16_floor(name, b, dout, q, k, v, causal, scale) -> float:
     return float(torch.finfo(q.dtype).eps * sizes) + 1e-5
 
 
-def _forward(q, k, v, causal, scale):
+def _forward(q, k, v, causal, scale, **features):
     """The forward's output (rounded to the input dtype) and float32 log-sum-exp, from float64."""
-    out, lse = reference_attention(q, k, v, causal=causal, scale=scale)
+    out, lse = reference_attention(q, k, v, causal=causal, scale=scale, **features)
     return out.to(q.dtype), lse.float()
 
 
-def _backward(b, name, dout, q, k, v, out, lse, causal, scale, grads=None):
+def _backward(b, name, dout, q, k, v, out, lse, causal, scale, grads=None, **options):
+    """``options``: the backend's backward keywords (deterministic, window, ...)."""
     if grads is None:
         grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
-    b.backward(dout, q, k, v, out, lse, *grads, config=name, causal=causal, scale=scale)
+    b.backward(dout, q, k, v, out, lse, *grads, config=name, causal=causal, scale=scale, **options)
     torch.cuda.synchronize()
     return grads
 
@@ -505,20 +506,13 @@ def test_sm90_backward_block_orders_give_the_same_gradients(name, monkeypatch):
     scale = d ** -0.5
     for causal, window in ((True, None), (False, (300, 40))):
         kw = {"window": window} if window else {}
-        if window:
-            out, lse = reference_attention(q, k, v, causal, scale, window=window)
-            out, lse = out.to(dtype), lse.float()
-        else:
-            out, lse = _forward(q, k, v, causal, scale)
+        out, lse = _forward(q, k, v, causal, scale, **kw)
         runs = {}
         for det in (True, False):
             for mb in budgets:
                 monkeypatch.setenv("SPARKTUNE_SM90_BWD_L2_MB", mb)
-                grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
-                b.backward(dout, q, k, v, out, lse, *grads, config=name, causal=causal,
-                           scale=scale, deterministic=det, **kw)
-                torch.cuda.synchronize()
-                runs[det, mb] = grads
+                runs[det, mb] = _backward(b, name, dout, q, k, v, out, lse, causal, scale,
+                                          deterministic=det, **kw)
         what = f"{name} causal={causal} window={window}"
         first = runs[True, "0"]
         if not window:
