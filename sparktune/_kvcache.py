@@ -24,6 +24,7 @@ Semantics (FlashAttention-2's ``flash_attn_with_kvcache``, the names are ours):
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,6 +162,16 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_integral(x: object) -> bool:
+    """An integer of any kind (Python's, NumPy's), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    """A real number of any kind (Python's, NumPy's), not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
 def _int32_vector(t: object, name: str, length: int, device: torch.device) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be an int32 tensor, got {type(t).__name__}")
@@ -170,6 +181,10 @@ def _int32_vector(t: object, name: str, length: int, device: torch.device) -> to
         raise ValueError(f"{name} must have shape ({length},) (one per sequence), got {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, q on {device}: they must share a device")
+    if length > 1 and t.stride(0) != 1:
+        # the Triton kernels read entry b at offset b
+        raise ValueError(f"{name} must be contiguous (stride 1), got stride {t.stride()}; "
+                         f"pass {name}.contiguous()")
     return t
 
 
@@ -211,8 +226,9 @@ def check_kvcache(
                          "must have the same shape")
     batch, nq, hq, d = q.shape
     rows_c, n_c, hkv, dk = k_cache.shape
-    if batch < 1 or nq < 1 or hq < 1:
-        raise ValueError(f"q must not be empty, got shape {tuple(q.shape)}")
+    if batch < 1 or nq < 1 or hq < 1 or d < 1:
+        raise ValueError(f"q must not be empty (every dimension at least 1), got shape "
+                         f"{tuple(q.shape)}")
     if dk != d:
         raise ValueError(f"k_cache has head_dim {dk}, q {d}: they must match")
     if hkv < 1 or hq % hkv:
@@ -236,6 +252,10 @@ def check_kvcache(
                              f"{tuple(block_table.shape)}")
         if block_table.device != q.device:
             raise ValueError(f"block_table is on {block_table.device}, q on {q.device}")
+        if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+            # the Triton kernels read entry (b, j) at b * stride(0) + j
+            raise ValueError(f"block_table must have a contiguous last dimension (stride 1), got "
+                             f"strides {block_table.stride()}; the row stride may be anything")
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx is for a contiguous cache; with block_table the "
                              "table says where each sequence's pages are")
@@ -264,6 +284,9 @@ def check_kvcache(
             if t.dtype != q.dtype or t.device != q.device:
                 raise ValueError(f"{name} must have q's dtype and device ({q.dtype}, {q.device}), "
                                  f"got {t.dtype} on {t.device}")
+            if t.stride(-1) != 1:
+                raise ValueError(f"{name} must have a contiguous last dimension, got strides "
+                                 f"{t.stride()}")
         if k.shape != v.shape:
             raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
         appends = k.shape[1]
@@ -282,18 +305,17 @@ def check_kvcache(
         raise TypeError(f"causal must be True or False, got {causal!r}")
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+    elif not _is_real(scale) or not 0.0 < float(scale) < math.inf:  # also false for NaN
+        raise ValueError(f"scale must be a finite positive number or None (as for "
+                         f"sparktune.attention), got {scale!r}")
     scale = float(scale)
     if (not isinstance(window, (tuple, list)) or len(window) != 2
-            or not all(_is_int(w) and w >= -1 for w in window)):
+            or not all(_is_integral(w) and w >= -1 for w in window)):
         raise ValueError(f"window must be a pair of ints >= -1 (-1: unlimited), got {window!r}")
     left, right = int(window[0]), int(window[1])
     if causal:
         right = -1
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (
-        math.isfinite(softcap) and softcap >= 0
-    ):
+    if not _is_real(softcap) or not 0.0 <= float(softcap) < math.inf:
         raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
     if alibi_slopes is not None:
         if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:

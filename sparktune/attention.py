@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import dispatch
+from . import dispatch, registry
 from ._autograd import FeatureAttention, train
 from ._checks import (
     LAYOUTS,
@@ -419,6 +419,14 @@ def varlen_attention(
     longest_q = max(cq[i + 1] - cq[i] for i in range(nb))
     longest_k = max(ck[i + 1] - ck[i] for i in range(nb))
     if longest_q == 0 or longest_k == 0:  # no query, or no key anywhere: zeros
+        # no kernel is planned: what planning checks is checked here, so that a bad argument
+        # raises whatever the lengths
+        if scale is not None:
+            check_scale(scale, d)
+        if backend is None and config is not None:
+            raise ValueError("config= needs backend= too (a config name belongs to one backend)")
+        if backend is not None:
+            registry.get_backend(backend)  # raises for an unknown name, listing the known ones
         out = q * 0 if _needs_grad(q, k, v) else torch.zeros_like(q)
         lse = torch.full((hq, tq), -math.inf, dtype=torch.float32, device=dev)
         return (out, lse) if return_lse else out

@@ -367,6 +367,31 @@ def test_varlen_feature_arguments_are_checked_too():
 
 
 @pytest.mark.parametrize(
+    "kw,exc,match",
+    [
+        (dict(scale=math.nan), ValueError, r"scale must be a finite positive number, got nan"),
+        (dict(scale=-1.0), ValueError, r"scale must be a finite positive number, got -1.0"),
+        (dict(scale="0.1"), TypeError, r"scale must be a real number or None"),
+        (dict(config="math"), ValueError, r"config= needs backend="),
+        (dict(backend="nope"), ValueError, r"unknown backend 'nope'; known backends:"),
+    ],
+)
+@pytest.mark.parametrize("empty", ["keys", "queries"])
+def test_varlen_with_nothing_to_compute_still_checks_its_arguments(kw, exc, match, empty):
+    """A batch with no key (or no query) anywhere gives zeros without planning a kernel: the
+    arguments planning checks raise all the same, as for any other lengths."""
+    args = _varlen_args()
+    if empty == "keys":
+        args.update(k=args["k"][:0], v=args["v"][:0], max_seqlen_k=0,
+                    cu_seqlens_k=torch.zeros(3, dtype=I32))
+    else:
+        args.update(q=args["q"][:0], max_seqlen_q=0, cu_seqlens_q=torch.zeros(3, dtype=I32))
+    sparktune.varlen_attention(**args)  # the lengths alone are fine
+    with pytest.raises(exc, match=match):
+        sparktune.varlen_attention(**args, **kw)
+
+
+@pytest.mark.parametrize(
     "changes,match",
     [
         (dict(max_seqlen_k=None), r"varlen needs cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k"),

@@ -234,3 +234,64 @@ def test_no_nan_for_rows_that_see_nothing():
     assert not torch.isnan(out).any()
     assert out[1].abs().max() == 0  # an empty cache: zeros
     assert math.isfinite(out.abs().max().item())
+
+
+def test_bad_strides_of_index_tensors_and_appends():
+    """The Triton path reads cache_seqlens, cache_batch_idx, each block_table row and the
+    appended k/v rows as dense (entry b at offset b): a strided one would give another
+    sequence's lengths, pages or values with no error, and write them into the cache. Refused
+    on every path, naming the tensor and its strides."""
+    case = _case("contiguous", dtype=torch.float16, appends=2)
+    lens = torch.tensor(case.seqlens, dtype=torch.int32)
+    strided = torch.stack([lens, lens + 1], 1)[:, 0]  # the same values, stride 2
+    _bad(case, r"cache_seqlens must be contiguous \(stride 1\), got stride \(2,\)",
+         kw=dict(cache_seqlens=strided))
+    _bad(case, r"cache_seqlens must be contiguous", kw=dict(cache_seqlens=lens[:1].expand(3)))
+    k, v = case.call_args()[0][3:]
+    k2, v2 = (torch.stack([t, torch.zeros_like(t)], -1).flatten(-2)[..., ::2] for t in (k, v))
+    assert torch.equal(k2, k)
+    _bad(case, r"k must have a contiguous last dimension, got strides \(256, 128, 64, 2\)",
+         args={3: k2, 4: v2})
+    _bad(case, r"v must have a contiguous last dimension", args={4: v2})
+
+    case = _case("batch_idx", dtype=torch.float16)
+    bidx = torch.tensor(case.batch_idx, dtype=torch.int32)
+    _bad(case, r"cache_batch_idx must be contiguous \(stride 1\)",
+         kw=dict(cache_batch_idx=torch.stack([bidx, bidx], 1)[:, 0]))
+
+    case = _case("paged", dtype=torch.float16)
+    table = torch.tensor(case.table, dtype=torch.int32)
+    _bad(case, r"block_table must have a contiguous last dimension \(stride 1\), got strides "
+         r"\(1, 3\)", kw=dict(block_table=table.t().contiguous().t()))
+    # a row stride of its own is fine (a slice of a wider table)
+    wide = torch.cat([table, torch.zeros_like(table)], 1)[:, : table.shape[1]]
+    args, kw = case.call_args()
+    out = sparktune.attention_with_kvcache(*args, **{**kw, "block_table": wide},
+                                           backend="reference")
+    torch.testing.assert_close(out, sparktune.attention_with_kvcache(*case.call_args()[0],
+                                                                     **kw, backend="reference"))
+
+
+def test_scale_softcap_and_window_are_checked_as_for_attention():
+    """scale a finite positive number (as sparktune.attention), and NumPy's numbers taken as
+    Python's for scale, softcap and window."""
+    case = _case("contiguous", dtype=torch.float16)
+    for bad in (0.0, -0.5, math.inf, math.nan, "0.1", True):
+        _bad(case, r"scale must be a finite positive number or None", kw=dict(scale=bad))
+    np = pytest.importorskip("numpy")
+    _bad(case, "softcap must be a finite number >= 0", kw=dict(softcap=np.float32(-1.0)))
+    _bad(case, "window must be a pair of ints >= -1", kw=dict(window=(np.int64(-2), -1)))
+    args, kw = case.call_args()
+    want = sparktune.attention_with_kvcache(*args, **kw, scale=0.25, softcap=3.0, window=(7, -1),
+                                            backend="reference")
+    got = sparktune.attention_with_kvcache(*args, **kw, scale=np.float32(0.25),
+                                           softcap=np.float32(3.0),
+                                           window=(np.int64(7), np.int32(-1)), backend="reference")
+    assert torch.equal(got, want)
+
+
+def test_zero_head_dim_is_refused():
+    case = _case("contiguous", dtype=torch.float16)
+    q, kc, vc = case.call_args()[0]
+    _bad(case, r"q must not be empty \(every dimension at least 1\), got shape \(3, 1, 4, 0\)",
+         args={0: q[..., :0], 1: kc[..., :0], 2: vc[..., :0]})
