@@ -643,8 +643,7 @@ def choose_decode(key: DecodeKey, device: torch.device, need_lse: bool = False,
 
     global _memo_generation
     dev = str(device)
-    if backend is None and config is not None:
-        raise ValueError("config= needs backend= too (a config name belongs to one backend)")
+    dispatch.check_config_has_backend(backend, config)
     if backend is not None:
         forced_key = (key, dev, need_lse, backend, config)
         if forced_key not in _forced_ok:

@@ -423,8 +423,7 @@ def varlen_attention(
         # raises whatever the lengths
         if scale is not None:
             check_scale(scale, d)
-        if backend is None and config is not None:
-            raise ValueError("config= needs backend= too (a config name belongs to one backend)")
+        dispatch.check_config_has_backend(backend, config)
         if backend is not None:
             registry.get_backend(backend)  # raises for an unknown name, listing the known ones
         out = q * 0 if _needs_grad(q, k, v) else torch.zeros_like(q)

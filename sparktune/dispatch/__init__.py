@@ -253,6 +253,12 @@ def _resolve(problem: Problem, device: DeviceInfo | None, rejected: list[str] | 
     return resolve(problem, device, registered, _table(device) if device is not None else None, rejected)
 
 
+def check_config_has_backend(backend: str | None, config: str | None) -> None:
+    """A config name belongs to one backend: ``config=`` without ``backend=`` is an error."""
+    if backend is None and config is not None:
+        raise ValueError("config= needs backend= too (a config name belongs to one backend)")
+
+
 def select(
     problem: Problem,
     device: DeviceInfo | None,
@@ -267,8 +273,7 @@ def select(
     key = (problem, device, backend, config)
     sel = _memo.get(key)
     if sel is None:
-        if backend is None and config is not None:
-            raise ValueError("config= needs backend= too (a config name belongs to one backend)")
+        check_config_has_backend(backend, config)
         sel = forced(problem, device, backend, config) if backend is not None else _resolve(problem, device)
         if len(_memo) >= _MEMO_MAX:
             _memo.clear()
