@@ -98,7 +98,7 @@ def check_inputs(
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if layout not in LAYOUTS:
+    if not isinstance(layout, str) or layout not in LAYOUTS:
         supported = ", ".join(f"{n!r} {dims}" for n, dims in LAYOUTS.items())
         raise ValueError(f"unknown layout {layout!r}; supported layouts: {supported}")
     dims = LAYOUTS[layout]

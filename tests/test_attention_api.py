@@ -165,6 +165,7 @@ BAD = [
     ("not-a-tensor", ([[1.0]], GOOD[1], GOOD[2]), {}, TypeError, r"q must be a torch\.Tensor, got list"),
     ("v-not-a-tensor", (GOOD[0], GOOD[1], None), {}, TypeError, r"v must be a torch\.Tensor, got NoneType"),
     ("layout", GOOD, {"layout": "nbhd"}, ValueError, r"unknown layout 'nbhd'; supported layouts: 'bhnd'.*'bnhd'"),
+    ("layout-list", GOOD, {"layout": ["bhnd"]}, ValueError, r"unknown layout \['bhnd'\]; supported layouts: 'bhnd'"),
     ("ndim", (_t(4, 8, 16), GOOD[1], GOOD[2]), {}, ValueError, r"q must be 4-dimensional .* got shape \(4, 8, 16\)"),
     ("dtypes-differ", (GOOD[0], _t(2, 2, 8, 16, dtype=torch.bfloat16), GOOD[2]), {}, TypeError,
      r"same dtype, got q float16, k bfloat16, v float16"),
