@@ -792,8 +792,8 @@ def attention_with_kvcache(
         k_cache, v_cache: ``(B_cache, N_max, Hkv, D)``, or ``(num_blocks, page_size, Hkv, D)``
             with ``block_table``; updated in place when ``k``/``v`` are given.
         k, v: ``(B, Nnew, Hkv, D)`` new tokens, written at ``cache_seqlens`` before attending.
-        cache_seqlens: int32 ``(B,)`` tensor, or an int: the valid length of each cache
-            before the append.
+        cache_seqlens: int32 ``(B,)`` tensor, or an integer (Python's or NumPy's) for every
+            sequence: the valid length of each cache before the append.
         block_table: int32 ``(B, max_blocks)`` page indices (paged cache).
         causal: bottom-right alignment (query ``i`` sees key ``j <= i + L - Nq``).
         scale, window, softcap, alibi_slopes: as ``sparktune.attention`` (docs/FEATURES.md).
@@ -818,6 +818,11 @@ def attention_with_kvcache(
     ):
         raise ValueError("attention_with_kvcache is inference only: no autograd (call it under "
                          "torch.no_grad() or with tensors that do not require grad)")
+    if (
+        type(cache_seqlens) is not int and not isinstance(cache_seqlens, torch.Tensor)
+        and _is_integral(cache_seqlens)
+    ):
+        cache_seqlens = int(cache_seqlens)  # a NumPy integer: as a Python int
     from . import dispatch
 
     try:  # what the checks and the choice read: shapes, strides, dtypes, devices, arguments

@@ -25,8 +25,11 @@ class Case:
         caches: the call appends in place)."""
         dev = device or self.q.device
         kw = dict(self.kwargs)
-        kw["cache_seqlens"] = (self.seqlens[0] if seqlens_as_int
-                               else torch.tensor(self.seqlens, dtype=torch.int32, device=dev))
+        if seqlens_as_int:  # True: a Python int; or the integer type to give it (NumPy's)
+            as_int = seqlens_as_int if callable(seqlens_as_int) else int
+            kw["cache_seqlens"] = as_int(self.seqlens[0])
+        else:
+            kw["cache_seqlens"] = torch.tensor(self.seqlens, dtype=torch.int32, device=dev)
         if self.table is not None:
             kw["block_table"] = torch.tensor(self.table, dtype=torch.int32, device=dev)
         if self.batch_idx is not None:

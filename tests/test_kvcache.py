@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -87,6 +88,19 @@ def test_reference_matches_definition(name):
 
 def test_int_cache_seqlens():
     _run_and_compare(make_case(seqlens=(13, 13, 13), appends=2), seqlens_as_int=True)
+
+
+@pytest.mark.parametrize("as_int", [np.int32, np.int64, np.uint16])
+def test_numpy_int_cache_seqlens(as_int):
+    _run_and_compare(make_case(seqlens=(13, 13, 13), appends=2), seqlens_as_int=as_int)
+    case = _case("contiguous")
+    _bad(case, r"cache_seqlens \(49\) \+ new tokens \(0\) must be between 0 and",
+         kw=dict(cache_seqlens=as_int(49)))
+
+
+def test_bool_cache_seqlens_is_refused():
+    _bad(_case("contiguous"), "cache_seqlens must be an int32 tensor, got bool", TypeError,
+         kw=dict(cache_seqlens=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
