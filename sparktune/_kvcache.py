@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ._checks import check_scale, check_softcap, check_window
 from .problem import Problem
 
 __all__ = [
@@ -167,11 +168,6 @@ def _is_integral(x: object) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _is_real(x: object) -> bool:
-    """A real number of any kind (Python's, NumPy's), not a bool."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
 def _int32_vector(t: object, name: str, length: int, device: torch.device) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be an int32 tensor, got {type(t).__name__}")
@@ -303,20 +299,10 @@ def check_kvcache(
 
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    elif not _is_real(scale) or not 0.0 < float(scale) < math.inf:  # also false for NaN
-        raise ValueError(f"scale must be a finite positive number or None (as for "
-                         f"sparktune.attention), got {scale!r}")
-    scale = float(scale)
-    if (not isinstance(window, (tuple, list)) or len(window) != 2
-            or not all(_is_integral(w) and w >= -1 for w in window)):
-        raise ValueError(f"window must be a pair of ints >= -1 (-1: unlimited), got {window!r}")
-    left, right = int(window[0]), int(window[1])
-    if causal:
-        right = -1
-    if not _is_real(softcap) or not 0.0 <= float(softcap) < math.inf:
-        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
+    # as sparktune.attention checks them (the same errors and messages)
+    scale = check_scale(scale, d)
+    left, right = check_window(window, causal)
+    softcap = check_softcap(softcap)
     if alibi_slopes is not None:
         if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
             raise TypeError("alibi_slopes must be a float32 tensor")

@@ -6,6 +6,7 @@ shared out of order; every bad input a clear error."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -212,7 +213,7 @@ def test_bad_shapes_and_types():
     with pytest.raises(ValueError, match="k and v are appended together"):
         sparktune.attention_with_kvcache(q, kc, vc, torch.zeros(3, 1, 2, 32, dtype=torch.float16),
                                          cache_seqlens=1)
-    _bad(case, "window must be a pair", kw=dict(window=(3,)))
+    _bad(case, "window must be a pair", TypeError, kw=dict(window=(3,)))
     _bad(case, "softcap must be", kw=dict(softcap=-1.0))
     with pytest.raises(TypeError, match="q has dtype torch.int64; supported: float16, bfloat16"):
         sparktune.attention_with_kvcache(q.long(), kc, vc, cache_seqlens=1)
@@ -290,11 +291,15 @@ def test_scale_softcap_and_window_are_checked_as_for_attention():
     """scale a finite positive number (as sparktune.attention), and NumPy's numbers taken as
     Python's for scale, softcap and window."""
     case = _case("contiguous", dtype=torch.float16)
-    for bad in (0.0, -0.5, math.inf, math.nan, "0.1", True):
-        _bad(case, r"scale must be a finite positive number or None", kw=dict(scale=bad))
-    np = pytest.importorskip("numpy")
-    _bad(case, "softcap must be a finite number >= 0", kw=dict(softcap=np.float32(-1.0)))
-    _bad(case, "window must be a pair of ints >= -1", kw=dict(window=(np.int64(-2), -1)))
+    q = torch.zeros(1, 2, 4, 32, dtype=torch.float16)
+    bad_args = [dict(scale=bad) for bad in (0.0, -0.5, math.inf, math.nan, "0.1", True)]
+    bad_args += [dict(softcap=bad) for bad in (np.float32(-1.0), math.nan, "1", True)]
+    bad_args += [dict(window=bad) for bad in ((np.int64(-2), -1), (3,), (1.5, -1), "ab")]
+    for kw in bad_args:
+        # the error sparktune.attention gives for the same argument
+        with pytest.raises((TypeError, ValueError)) as want:
+            sparktune.attention(q, q, q, causal=True, **kw)
+        _bad(case, re.escape(str(want.value)), want.type, kw=kw)
     args, kw = case.call_args()
     want = sparktune.attention_with_kvcache(*args, **kw, scale=0.25, softcap=3.0, window=(7, -1),
                                             backend="reference")
