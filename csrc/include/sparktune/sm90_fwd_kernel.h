@@ -96,6 +96,31 @@ CUTE_DEVICE float tanh_approx(const float x) {
   return y;
 }
 
+// tanh on the FMA pipe for |x| <= kTanhPolyMax: x times a degree-4 polynomial in x^2 fitted to
+// tanh(x)/x on [0, 1] (absolute error below 7e-6 in fp32, under tanh.approx's). Soft-capped
+// scores need two special-function results per element (tanh and exp2) where plain ones need
+// one; kTanhPolyOf4 of every 4 elements of a block whose warp's scaled scores all lie within
+// kTanhPolyMax take this path instead, so that the FMA pipe shares the special-function unit's
+// load.
+#ifndef SPARKTUNE_TANH_POLY_OF_4
+#define SPARKTUNE_TANH_POLY_OF_4 0
+#endif
+constexpr int kTanhPolyOf4 = SPARKTUNE_TANH_POLY_OF_4;
+constexpr float kTanhPolyMax = 1.f;
+constexpr float kTanhPoly0 = 0.99999395501660f;
+constexpr float kTanhPoly1 = -0.33300764222969f;
+constexpr float kTanhPoly2 = 0.13050158889816f;
+constexpr float kTanhPoly3 = -0.04502970073006f;
+constexpr float kTanhPoly4 = 0.00914201633734f;
+CUTE_DEVICE float tanh_poly(const float x) {
+  const float t = x * x;
+  float a = fmaf(kTanhPoly4, t, kTanhPoly3);
+  a = fmaf(a, t, kTanhPoly2);
+  a = fmaf(a, t, kTanhPoly1);
+  a = fmaf(a, t, kTanhPoly0);
+  return x * a;
+}
+
 // Bytes from a shared-memory pointer to the next multiple of kAlign of its shared address.
 template <int kAlign>
 CUTE_DEVICE int align_pad(const void* smem) {
@@ -579,8 +604,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
       if (softcap_on) {
         const float cap_in = p.softcap_in;
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_s); ++i) acc_s(i) = sm90::tanh_approx(acc_s(i) * cap_in);
+        bool poly = false;
+        if constexpr (sm90::kTanhPolyOf4 > 0) {
+          float amax = 0.f;
+          CUTE_UNROLL
+          for (int i = 0; i < size(acc_s); ++i) amax = fmaxf(amax, fabsf(acc_s(i)));
+          // the whole warp takes one path (an infinite score keeps the special-function one;
+          // a NaN gives NaN on either)
+          poly = __all_sync(0xffffffffu, amax * cap_in <= sm90::kTanhPolyMax);
+        }
+        if (poly) {
+          CUTE_UNROLL
+          for (int i = 0; i < size(acc_s); ++i) {
+            const float x = acc_s(i) * cap_in;
+            acc_s(i) = (i & 3) < sm90::kTanhPolyOf4 ? sm90::tanh_poly(x) : sm90::tanh_approx(x);
+          }
+        } else {
+          CUTE_UNROLL
+          for (int i = 0; i < size(acc_s); ++i) acc_s(i) = sm90::tanh_approx(acc_s(i) * cap_in);
+        }
       }
       if (alibi_on) {
         // |row + diag - col| as a float: the thread's distance at its first column, less each
