@@ -29,7 +29,7 @@ def _poly_share() -> int:
 def _eval(x: torch.Tensor, c: dict[str, float]) -> torch.Tensor:
     x = x.to(torch.float32)
     t = x * x
-    a = torch.full_like(t, c["kTanhPoly4"]) * t + c["kTanhPoly3"]
+    a = c["kTanhPoly4"] * t + c["kTanhPoly3"]
     for name in ("kTanhPoly2", "kTanhPoly1", "kTanhPoly0"):
         a = a * t + c[name]
     return x * a
