@@ -1,7 +1,7 @@
-"""The Hopper forward's tanh polynomial for soft-capped scores (csrc/include/sparktune/
-sm90_fwd_kernel.h): the constants in the header, evaluated as the kernel does (Horner in x^2,
-float32), stay within the error bound on the range the kernel uses them, and the share of
-elements that take it is a valid one. No GPU needed."""
+"""The Hopper kernels' tanh polynomial for soft-capped scores (csrc/include/sparktune/
+sm90_fwd_kernel.h, used by the forward and the backward): the constants in the header, evaluated
+as the kernels do (Horner in x^2, float32), stay within the error bound on the range the kernels
+use them, and the share of elements that take it is a valid one. No GPU needed."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-HEADER = Path(__file__).resolve().parent.parent / "csrc" / "include" / "sparktune" / "sm90_fwd_kernel.h"
+INCLUDE = Path(__file__).resolve().parent.parent / "csrc" / "include" / "sparktune"
+HEADER = INCLUDE / "sm90_fwd_kernel.h"
 
 
 def _constants() -> dict[str, float]:
@@ -69,3 +70,11 @@ def test_the_kernel_keeps_the_special_function_path_outside_the_range():
     # the vote over the warp: one element beyond kTanhPolyMax sends the whole warp to tanh.approx
     text = HEADER.read_text()
     assert re.search(r"__all_sync\(0xffffffffu, amax \* cap_in <= sm90::kTanhPolyMax\)", text)
+
+
+def test_forward_and_backward_take_the_soft_capped_tanh_from_the_one_helper():
+    # the build switch moves the same share in both kernels; neither keeps a tanh loop of its own
+    for name in ("sm90_fwd_kernel.h", "sm90_bwd_kernel.h"):
+        text = (INCLUDE / name).read_text()
+        assert re.search(r"sm90::softcap_tanh\(acc_s, ", text), name
+        assert not re.search(r"acc_s\(i\) = sm90::tanh_approx", text), name

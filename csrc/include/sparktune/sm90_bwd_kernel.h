@@ -657,8 +657,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         ds_from_p();
         return;
       }
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) acc_s(i) = sm90::tanh_approx(acc_s(i) * cap_in);
+      sm90::softcap_tanh(acc_s, cap_in);
       warpgroup_fence_operand(acc_s);
       warpgroup_wait<decltype(wait_dp)::value>();  // dP^T is done
       warpgroup_fence_operand(acc_dp);

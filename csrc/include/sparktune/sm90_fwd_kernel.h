@@ -121,6 +121,31 @@ CUTE_DEVICE float tanh_poly(const float x) {
   return x * a;
 }
 
+// acc(i) = tanh(acc(i) * cap_in) for every element of a fragment (the soft-capped scores, in
+// the forward and in the backward): kTanhPolyOf4 of every 4 elements by tanh_poly where the
+// whole warp's scaled scores lie within kTanhPolyMax (one vote per fragment; an infinite score
+// keeps the special-function path, a NaN gives NaN on either), the rest by tanh.approx.
+template <class Frag>
+CUTE_DEVICE void softcap_tanh(Frag& acc, const float cap_in) {
+  bool poly = false;
+  if constexpr (kTanhPolyOf4 > 0) {
+    float amax = 0.f;
+    CUTE_UNROLL
+    for (int i = 0; i < cute::size(acc); ++i) amax = fmaxf(amax, fabsf(acc(i)));
+    poly = __all_sync(0xffffffffu, amax * cap_in <= sm90::kTanhPolyMax);
+  }
+  if (poly) {
+    CUTE_UNROLL
+    for (int i = 0; i < cute::size(acc); ++i) {
+      const float x = acc(i) * cap_in;
+      acc(i) = (i & 3) < kTanhPolyOf4 ? tanh_poly(x) : tanh_approx(x);
+    }
+  } else {
+    CUTE_UNROLL
+    for (int i = 0; i < cute::size(acc); ++i) acc(i) = tanh_approx(acc(i) * cap_in);
+  }
+}
+
 // Bytes from a shared-memory pointer to the next multiple of kAlign of its shared address.
 template <int kAlign>
 CUTE_DEVICE int align_pad(const void* smem) {
@@ -602,28 +627,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                  : 0.f;
     auto modify_s = [&](auto& acc_s, const int n) {
       Tensor s_rc = make_tensor(acc_s.data(), sm90::rowcol_view(acc_s.layout()));
-      if (softcap_on) {
-        const float cap_in = p.softcap_in;
-        bool poly = false;
-        if constexpr (sm90::kTanhPolyOf4 > 0) {
-          float amax = 0.f;
-          CUTE_UNROLL
-          for (int i = 0; i < size(acc_s); ++i) amax = fmaxf(amax, fabsf(acc_s(i)));
-          // the whole warp takes one path (an infinite score keeps the special-function one;
-          // a NaN gives NaN on either)
-          poly = __all_sync(0xffffffffu, amax * cap_in <= sm90::kTanhPolyMax);
-        }
-        if (poly) {
-          CUTE_UNROLL
-          for (int i = 0; i < size(acc_s); ++i) {
-            const float x = acc_s(i) * cap_in;
-            acc_s(i) = (i & 3) < sm90::kTanhPolyOf4 ? sm90::tanh_poly(x) : sm90::tanh_approx(x);
-          }
-        } else {
-          CUTE_UNROLL
-          for (int i = 0; i < size(acc_s); ++i) acc_s(i) = sm90::tanh_approx(acc_s(i) * cap_in);
-        }
-      }
+      if (softcap_on) sm90::softcap_tanh(acc_s, p.softcap_in);
       if (alibi_on) {
         // |row + diag - col| as a float: the thread's distance at its first column, less each
         // element's column offset from it (a constant); exact below 2^24
