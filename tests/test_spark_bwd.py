@@ -490,7 +490,8 @@ def test_sm90_backward_block_orders_give_the_same_gradients(name, monkeypatch):
     """The family 90 backward's causal and windowed launches take their blocks in sections of
     (kv head, batch) pairs whose size follows an L2 budget (SPARKTUNE_SM90_BWD_L2_MB, read at
     each launch; 0: one pair after another): budgets that give sections of 1, 3, 4 (the last
-    section short) and all 9 pairs of a GQA problem give bit-identical gradients in
+    section short) and all 9 pairs of a GQA problem, and the default (unset: a grid of at most
+    two waves is one section), give bit-identical gradients in
     deterministic mode (each dQ sum in its fixed order, dk and dv of each key block alone), the
     same dk and dv bits and a dq within rounding in the default mode, within the 2x rule of
     float64 autograd."""
@@ -499,7 +500,8 @@ def test_sm90_backward_block_orders_give_the_same_gradients(name, monkeypatch):
     eps = torch.finfo(dtype).eps
     bs, hq, hk, n = 3, 6, 3, 1000
     pair_mb = (hq // hk) * n * d * (2 * 2 + 4) / 2**20  # Q, dO and the fp32 dQ workspace
-    budgets = ["0", str(int(3 * pair_mb) + 1), str(int(4 * pair_mb) + 1), "100000"]  # 1, 3, 4, 9 pairs
+    # 1, 3, 4, 9 pairs; "" the default (9 pairs x 8 key blocks fit two waves: one section)
+    budgets = ["0", str(int(3 * pair_mb) + 1), str(int(4 * pair_mb) + 1), "100000", ""]
     gen = torch.Generator(device="cuda").manual_seed(7)
     q, k, v, dout = (torch.randn(bs, h, n, d, device="cuda", dtype=dtype, generator=gen)
                      for h in (hq, hk, hk, hq))
@@ -510,7 +512,10 @@ def test_sm90_backward_block_orders_give_the_same_gradients(name, monkeypatch):
         runs = {}
         for det in (True, False):
             for mb in budgets:
-                monkeypatch.setenv("SPARKTUNE_SM90_BWD_L2_MB", mb)
+                if mb:
+                    monkeypatch.setenv("SPARKTUNE_SM90_BWD_L2_MB", mb)
+                else:
+                    monkeypatch.delenv("SPARKTUNE_SM90_BWD_L2_MB", raising=False)
                 runs[det, mb] = _backward(b, name, dout, q, k, v, out, lse, causal, scale,
                                           deterministic=det, **kw)
         what = f"{name} causal={causal} window={window}"

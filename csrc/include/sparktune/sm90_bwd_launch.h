@@ -110,14 +110,23 @@ cudaError_t launch_sm90_bwd(BwdParams const& p, cudaStream_t stream) {
     // measured on an H100 against one pair after another (BENCHMARKS.md, "Sectioned block
     // order in the backward"): head dim 64 causal +2% to +6% at 1k-8k, head dim 128 +1-2% at
     // 1k-2k; a 24 MB budget lost 6% at head dim 128 with 1k, the whole grid (key-major) more.
-    int64_t budget = int64_t(8) << 20;
-    if (const char* e = std::getenv("SPARKTUNE_SM90_BWD_L2_MB"); e != nullptr && *e != 0) {
-      budget = int64_t(std::atoll(e)) << 20;
-    }
+    // Without the variable, a grid of at most two waves (one block per SM) is one section:
+    // with few pairs, one pair after another starts the heaviest blocks of the last pairs
+    // late (GQA 16:4 at 8k, batch 1: 256 blocks, +25% on an H100 as one section; BENCHMARKS.md,
+    // "Few pairs: the whole grid as one section"). The variable's budget is taken as it is
+    // (a measurement switch).
+    const char* env = std::getenv("SPARKTUNE_SM90_BWD_L2_MB");
+    const bool env_set = env != nullptr && *env != 0;
+    const int64_t budget = env_set ? int64_t(std::atoll(env)) << 20 : int64_t(8) << 20;
     const int64_t pair_bytes = int64_t(p.group) * p.seqlen_q * Traits::kHeadDim * (2 * int64_t(sizeof(T)) + 4);
     const int64_t pairs = int64_t(p.heads_kv) * p.batch;
     int64_t per = pair_bytes > 0 ? budget / pair_bytes : 1;
     per = per < 1 ? 1 : (per > pairs ? pairs : per);
+    if (!env_set && per < pairs) {
+      int sms = 0;
+      if (cudaError_t e = sm_count(sms); e != cudaSuccess) return e;
+      if (pairs * key_blocks <= 2 * int64_t(sms)) per = pairs;
+    }
     if (per > 1 && key_blocks <= 65535) {  // (grid y's limit)
       args.p.tile_section = int(per);
       grid = dim3(unsigned(per), unsigned(key_blocks), unsigned(ceil_div(pairs, per)));

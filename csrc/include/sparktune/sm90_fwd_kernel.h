@@ -96,54 +96,13 @@ CUTE_DEVICE float tanh_approx(const float x) {
   return y;
 }
 
-// tanh on the FMA pipe for |x| <= kTanhPolyMax: x times a degree-4 polynomial in x^2 fitted to
-// tanh(x)/x on [0, 1] (absolute error below 7e-6 in fp32, under tanh.approx's). Soft-capped
-// scores need two special-function results per element (tanh and exp2) where plain ones need
-// one; kTanhPolyOf4 of every 4 elements of a block whose warp's scaled scores all lie within
-// kTanhPolyMax take this path instead, so that the FMA pipe shares the special-function unit's
-// load.
-#ifndef SPARKTUNE_TANH_POLY_OF_4
-#define SPARKTUNE_TANH_POLY_OF_4 0
-#endif
-constexpr int kTanhPolyOf4 = SPARKTUNE_TANH_POLY_OF_4;
-constexpr float kTanhPolyMax = 1.f;
-constexpr float kTanhPoly0 = 0.99999395501660f;
-constexpr float kTanhPoly1 = -0.33300764222969f;
-constexpr float kTanhPoly2 = 0.13050158889816f;
-constexpr float kTanhPoly3 = -0.04502970073006f;
-constexpr float kTanhPoly4 = 0.00914201633734f;
-CUTE_DEVICE float tanh_poly(const float x) {
-  const float t = x * x;
-  float a = fmaf(kTanhPoly4, t, kTanhPoly3);
-  a = fmaf(a, t, kTanhPoly2);
-  a = fmaf(a, t, kTanhPoly1);
-  a = fmaf(a, t, kTanhPoly0);
-  return x * a;
-}
-
-// acc(i) = tanh(acc(i) * cap_in) for every element of a fragment (the soft-capped scores, in
-// the forward and in the backward): kTanhPolyOf4 of every 4 elements by tanh_poly where the
-// whole warp's scaled scores lie within kTanhPolyMax (one vote per fragment; an infinite score
-// keeps the special-function path, a NaN gives NaN on either), the rest by tanh.approx.
+// acc(i) = tanh(acc(i) * cap_in) for every element of a fragment: the soft-capped scores, in
+// the forward and in the backward. (A share of these on the FMA pipe, as a polynomial, was
+// slower in both: BENCHMARKS.md, "Soft-capping's tanh partly on the FMA pipe".)
 template <class Frag>
 CUTE_DEVICE void softcap_tanh(Frag& acc, const float cap_in) {
-  bool poly = false;
-  if constexpr (kTanhPolyOf4 > 0) {
-    float amax = 0.f;
-    CUTE_UNROLL
-    for (int i = 0; i < cute::size(acc); ++i) amax = fmaxf(amax, fabsf(acc(i)));
-    poly = __all_sync(0xffffffffu, amax * cap_in <= sm90::kTanhPolyMax);
-  }
-  if (poly) {
-    CUTE_UNROLL
-    for (int i = 0; i < cute::size(acc); ++i) {
-      const float x = acc(i) * cap_in;
-      acc(i) = (i & 3) < kTanhPolyOf4 ? tanh_poly(x) : tanh_approx(x);
-    }
-  } else {
-    CUTE_UNROLL
-    for (int i = 0; i < cute::size(acc); ++i) acc(i) = tanh_approx(acc(i) * cap_in);
-  }
+  CUTE_UNROLL
+  for (int i = 0; i < cute::size(acc); ++i) acc(i) = tanh_approx(acc(i) * cap_in);
 }
 
 // Bytes from a shared-memory pointer to the next multiple of kAlign of its shared address.
