@@ -110,11 +110,13 @@ cudaError_t launch_sm90_bwd(BwdParams const& p, cudaStream_t stream) {
     // measured on an H100 against one pair after another (BENCHMARKS.md, "Sectioned block
     // order in the backward"): head dim 64 causal +2% to +6% at 1k-8k, head dim 128 +1-2% at
     // 1k-2k; a 24 MB budget lost 6% at head dim 128 with 1k, the whole grid (key-major) more.
-    // Without the variable, a grid of at most two waves (one block per SM) is one section:
-    // with few pairs, one pair after another starts the heaviest blocks of the last pairs
-    // late (GQA 16:4 at 8k, batch 1: 256 blocks, +25% on an H100 as one section; BENCHMARKS.md,
-    // "Few pairs: the whole grid as one section"). The variable's budget is taken as it is
-    // (a measurement switch).
+    // Without the variable, the whole grid is one section where it is at most two waves (one
+    // block per SM), or at most four with each pair's key blocks at most half a wave: with few
+    // pairs, one pair after another starts the heaviest blocks of the last pairs late (on an
+    // H100, bf16 causal, batch 1: GQA 16:4 at 8k +29%, GQA 32:8 at 8k +10% at head dim 128
+    // and +16% at 64; GQA 16:4 at 16k, four waves of 128-block pairs, level, so left as it
+    // was; BENCHMARKS.md, "Few pairs: the whole grid as one section"). The variable's budget
+    // is taken as it is (a measurement switch).
     const char* env = std::getenv("SPARKTUNE_SM90_BWD_L2_MB");
     const bool env_set = env != nullptr && *env != 0;
     const int64_t budget = env_set ? int64_t(std::atoll(env)) << 20 : int64_t(8) << 20;
@@ -125,7 +127,10 @@ cudaError_t launch_sm90_bwd(BwdParams const& p, cudaStream_t stream) {
     if (!env_set && per < pairs) {
       int sms = 0;
       if (cudaError_t e = sm_count(sms); e != cudaSuccess) return e;
-      if (pairs * key_blocks <= 2 * int64_t(sms)) per = pairs;
+      const int64_t blocks = pairs * key_blocks;
+      if (blocks <= 2 * int64_t(sms) || (blocks <= 4 * int64_t(sms) && 2 * key_blocks <= sms)) {
+        per = pairs;
+      }
     }
     if (per > 1 && key_blocks <= 65535) {  // (grid y's limit)
       args.p.tile_section = int(per);
