@@ -12,6 +12,7 @@
 #include "launch_common.h"
 #include "registry.h"
 #include "sm90_bwd_kernel.h"
+#include "sm90_bwd_order.h"
 #include "sm90_fwd_launch.h"  // sm90_tma_compatible, tma_gmem_view
 
 namespace sparktune {
@@ -110,28 +111,17 @@ cudaError_t launch_sm90_bwd(BwdParams const& p, cudaStream_t stream) {
     // measured on an H100 against one pair after another (BENCHMARKS.md, "Sectioned block
     // order in the backward"): head dim 64 causal +2% to +6% at 1k-8k, head dim 128 +1-2% at
     // 1k-2k; a 24 MB budget lost 6% at head dim 128 with 1k, the whole grid (key-major) more.
-    // Without the variable, the whole grid is one section where it is at most two waves (one
-    // block per SM), or at most four with each pair's key blocks at most half a wave: with few
-    // pairs, one pair after another starts the heaviest blocks of the last pairs late (on an
-    // H100, bf16 causal, batch 1: GQA 16:4 at 8k +29%, GQA 32:8 at 8k +10% at head dim 128
-    // and +16% at 64; GQA 16:4 at 16k, four waves of 128-block pairs, level, so left as it
-    // was; BENCHMARKS.md, "Few pairs: the whole grid as one section"). The variable's budget
-    // is taken as it is (a measurement switch).
-    const char* env = std::getenv("SPARKTUNE_SM90_BWD_L2_MB");
-    const bool env_set = env != nullptr && *env != 0;
-    const int64_t budget = env_set ? int64_t(std::atoll(env)) << 20 : int64_t(8) << 20;
+    // (sm90_bwd_order.h: unset, a grid of few pairs is one section.)
+    int64_t budget_mb = -1;
+    if (const char* env = std::getenv("SPARKTUNE_SM90_BWD_L2_MB"); env != nullptr && *env != 0) {
+      budget_mb = std::atoll(env);
+      budget_mb = budget_mb < 0 ? 0 : budget_mb;
+    }
+    int sms = 0;
+    if (cudaError_t e = sm_count(sms); e != cudaSuccess) return e;
     const int64_t pair_bytes = int64_t(p.group) * p.seqlen_q * Traits::kHeadDim * (2 * int64_t(sizeof(T)) + 4);
     const int64_t pairs = int64_t(p.heads_kv) * p.batch;
-    int64_t per = pair_bytes > 0 ? budget / pair_bytes : 1;
-    per = per < 1 ? 1 : (per > pairs ? pairs : per);
-    if (!env_set && per < pairs) {
-      int sms = 0;
-      if (cudaError_t e = sm_count(sms); e != cudaSuccess) return e;
-      const int64_t blocks = pairs * key_blocks;
-      if (blocks <= 2 * int64_t(sms) || (blocks <= 4 * int64_t(sms) && 2 * key_blocks <= sms)) {
-        per = pairs;
-      }
-    }
+    const int64_t per = sm90_bwd_section_pairs(pairs, key_blocks, pair_bytes, sms, budget_mb);
     if (per > 1 && key_blocks <= 65535) {  // (grid y's limit)
       args.p.tile_section = int(per);
       grid = dim3(unsigned(per), unsigned(key_blocks), unsigned(ceil_div(pairs, per)));
