@@ -20,7 +20,6 @@ namespace sparktune {
 // 0 gives one pair after another).
 inline int64_t sm90_bwd_section_pairs(int64_t pairs, int64_t key_blocks, int64_t pair_bytes,
                                       int64_t sms, int64_t budget_mb) {
-  if (pairs <= 1) return 1;
   const bool env_set = budget_mb >= 0;
   const int64_t mb_max = int64_t(1) << 30;  // (no overflow below)
   const int64_t budget = (env_set ? (budget_mb < mb_max ? budget_mb : mb_max) : 8) << 20;
