@@ -222,11 +222,21 @@ void bwd(const std::string& name, uintptr_t q, uintptr_t k, uintptr_t v, uintptr
          Strides dqs, Strides dks, Strides dvs, double scale, bool causal, uintptr_t stream,
          uintptr_t dq_semaphore, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q,
          int total_k, int window_left, int window_right, double softcap, uintptr_t alibi_slopes,
-         int64_t alibi_batch_stride) {
+         int64_t alibi_batch_stride, int group_split, uintptr_t dkv_part) {
   const KernelInfo& info = find_kernel(name, "bwd");
   if (dq_semaphore != 0 && info.family != 90) {
     throw std::invalid_argument("kernel '" + name +
                                 "' has no deterministic mode (dq_semaphore is for family 90)");
+  }
+  if (group_split != 1) {
+    const int group = heads_kv > 0 ? heads_q / heads_kv : 0;
+    if (info.family != 90 || group_split < 1 || group % group_split != 0 || dkv_part == 0 ||
+        cu_seqlens_q != 0) {
+      throw std::invalid_argument(
+          "kernel '" + name + "': group_split " + std::to_string(group_split) +
+          " needs a family 90 backward, a divisor of the group (" + std::to_string(group) +
+          " query heads per kv head), a dkv_part workspace and dense (not packed) tensors");
+    }
   }
   BwdParams p;
   fill_common(p, info, q, k, v, o, lse, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim,
@@ -240,6 +250,8 @@ void bwd(const std::string& name, uintptr_t q, uintptr_t k, uintptr_t v, uintptr
   p.dq_accum = reinterpret_cast<float*>(dq_accum);
   p.dsum = reinterpret_cast<float*>(dsum);
   p.dq_semaphore = reinterpret_cast<int*>(dq_semaphore);
+  p.group_split = group_split;
+  p.dkv_part = reinterpret_cast<float*>(dkv_part);
   std::tie(p.do_batch_stride, p.do_head_stride, p.do_row_stride) = dos;
   std::tie(p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride) = dqs;
   std::tie(p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride) = dks;
@@ -293,5 +305,5 @@ PYBIND11_MODULE(_C, m) {
         py::arg("dq_semaphore") = 0, py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0,
         py::arg("total_q") = 0, py::arg("total_k") = 0, py::arg("window_left") = -1,
         py::arg("window_right") = -1, py::arg("softcap") = 0.0, py::arg("alibi_slopes") = 0,
-        py::arg("alibi_batch_stride") = 0);
+        py::arg("alibi_batch_stride") = 0, py::arg("group_split") = 1, py::arg("dkv_part") = 0);
 }

@@ -107,6 +107,54 @@ __global__ void __launch_bounds__(kRowKernelThreads)
   convert_dq_row(acc, dq, p.head_dim, p.scale, lane);
 }
 
+// The group split's sum (BwdParams::group_split): key row `row` of kv head blockIdx.y and batch
+// blockIdx.z, dK = scale * (part 0 + part 1 + ...) and dV = part 0 + part 1 + ..., the parts
+// added in order, in the input type with dk's and dv's strides.
+template <class T>
+__global__ void __launch_bounds__(kRowKernelThreads)
+    bwd_sum_dkv_kernel(__grid_constant__ const BwdParams p) {
+  const int row = blockIdx.x * kRowKernelRows + threadIdx.x / kRowLanes;
+  const int lane = threadIdx.x % kRowLanes;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  if (row >= p.seqlen_k) return;
+  constexpr int kVec = 16 / sizeof(T);
+  // (2, batch, heads_kv * split, seqlen_k, head_dim): part s of this head at head * split + s
+  const int64_t which_elems = int64_t(p.batch) * p.heads_kv * p.group_split * p.seqlen_k * p.head_dim;
+  const int64_t part_elems = int64_t(p.seqlen_k) * p.head_dim;
+  const int64_t first =
+      ((int64_t(batch) * p.heads_kv + head) * p.group_split * p.seqlen_k + row) * p.head_dim;
+  CUTE_UNROLL
+  for (int which = 0; which < 2; ++which) {
+    float const* part = p.dkv_part + which * which_elems + first;
+    T* out = which == 0 ? static_cast<T*>(p.dk) + batch * p.dk_batch_stride +
+                              head * p.dk_head_stride + row * p.dk_row_stride
+                        : static_cast<T*>(p.dv) + batch * p.dv_batch_stride +
+                              head * p.dv_head_stride + row * p.dv_row_stride;
+    const float scale = which == 0 ? p.scale : 1.f;
+    for (int c = lane * kVec; c < p.head_dim; c += kVec * kRowLanes) {
+      float sum[kVec];
+      CUTE_UNROLL
+      for (int i = 0; i < kVec; ++i) sum[i] = 0.f;
+      for (int s = 0; s < p.group_split; ++s) {
+        CUTE_UNROLL
+        for (int i = 0; i < kVec; i += 4) {
+          const float4 a = *reinterpret_cast<float4 const*>(part + s * part_elems + c + i);
+          sum[i + 0] += a.x;
+          sum[i + 1] += a.y;
+          sum[i + 2] += a.z;
+          sum[i + 3] += a.w;
+        }
+      }
+      uint4 raw;
+      T* o = reinterpret_cast<T*>(&raw);
+      CUTE_UNROLL
+      for (int i = 0; i < kVec; ++i) o[i] = static_cast<T>(sum[i] * scale);
+      *reinterpret_cast<uint4*>(out + c) = raw;
+    }
+  }
+}
+
 // The same two row kernels for packed sequences (the family 90 backward's; BwdParams says
 // how the tensors are laid out): the grid walks the packed rows (blockIdx.x) of every query
 // head (blockIdx.y), which are each one row of some sequence, so neither needs cu_seqlens.

@@ -93,6 +93,16 @@ struct BwdParams : FwdParams {
   // blocks add their dQ parts in ascending order, so the sum is the same on every run (packed:
   // batch sequences, seqlen_q the longest).
   int* dq_semaphore = nullptr;
+  // The group split (family 90 only, dense, group_split dividing group): each kv head's group
+  // of query heads walked by group_split blocks of group / group_split heads each, for grids too
+  // small to fill the GPU. Their dK and dV sums go to dkv_part, fp32 (2, batch, heads_kv *
+  // group_split, seqlen_k, head_dim), contiguous (dK's parts, then dV's; part s of kv head h at
+  // h * group_split + s), which a last kernel adds in part order (so deterministic mode stays
+  // bitwise reproducible) into dk and dv.
+  int group_split = 1;
+  float* dkv_part = nullptr;
+  // group / group_split, the query heads of one block (set by the launch)
+  int part_heads = 0;
 
   int64_t do_batch_stride = 0, do_head_stride = 0, do_row_stride = 0;
   int64_t dq_batch_stride = 0, dq_head_stride = 0, dq_row_stride = 0;

@@ -62,8 +62,9 @@ struct Sm90BwdConfig {
   // setmaxnreg only moves registers within that pool, so the producer's kProducerRegs plus the
   // consumers' share must fit it, or the consumers' setmaxnreg.inc waits forever. Each consumer
   // thread gets the rest, rounded down to a multiple of 8 and capped at 240.
-  static constexpr int kProducerRegs = 24;
+  // The producer keeps 24, or 40 with one consumer warpgroup, whose 240 leave the pool room.
   static constexpr int kLaunchRegsRaw = 65536 / kThreads;
+  static constexpr int kProducerRegs = kConsumerThreads == 128 ? 40 : 24;
   static constexpr int kLaunchRegs = (kLaunchRegsRaw > 255 ? 255 : kLaunchRegsRaw) / 8 * 8;
   static constexpr int kRegPool = kLaunchRegs * kThreads;
   static constexpr int kConsumerRegsRaw =

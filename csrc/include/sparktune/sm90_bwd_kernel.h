@@ -1,5 +1,6 @@
 // The Hopper backward kernel: one thread block per (key block, kv head, batch), in the order
-// the launch sets (sm90_bwd_launch.h: causal and windowed launches in sections of pairs).
+// the launch sets (sm90_bwd_launch.h: causal and windowed launches in sections of pairs); with
+// a group split (BwdParams::group_split) one per (key block, kv head, part of its group, batch).
 //
 // Warpgroup 0 is the producer: it gives its registers away (setmaxnreg); its first thread
 // loads K and V once and then, for every query head of the kv head's group and every query
@@ -308,13 +309,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int key_index = sectioned ? blockIdx.y : blockIdx.x;
   const int key_blocks = sectioned ? gridDim.y : gridDim.x;
   const int n_block = deterministic && Walk::descending(p) ? key_blocks - 1 - key_index : key_index;
-  int kv_head = blockIdx.y, batch = blockIdx.z;
+  // With p.group_split = S > 1 a "kv head" of the grid (vhead) is a (kv head, part) pair, the
+  // part fastest: the kv head's group of query heads in S parts of p.group / S heads each, every
+  // part a block of its own, whose dK and dV go to the fp32 partials p.dkv_part (summed by
+  // bwd_sum_dkv_kernel). The block's query heads are then vhead * (p.group / S) onwards, with
+  // or without the split. Only vhead stays live (the rest is worked out where it is used).
+  int vhead = blockIdx.y, batch = blockIdx.z;
   if (sectioned) {
+    const int vheads = p.heads_kv * p.group_split;
     const int pair = blockIdx.z * p.tile_section + blockIdx.x;
-    if (pair >= p.heads_kv * p.batch) return;  // the last section's missing pairs
-    batch = pair / p.heads_kv;
-    kv_head = pair - batch * p.heads_kv;
+    if (pair >= vheads * p.batch) return;  // the last section's missing pairs
+    batch = pair / vheads;
+    vhead = pair - batch * vheads;
   }
+  // (the query heads this block walks: p.part_heads, group / split, read where it is used: a
+  // parameter, no register)
   const int key0 = n_block * kBlockN;
   // The block's sequence: its lengths and first rows (0 unless packed, where sequence `batch`
   // is rows cu_seqlens[batch] .. of the packed tensors and the grid spans the longest one)
@@ -369,6 +378,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   if (warpgroup == 0) {
     // ================================ producer ================================
+    // the kv head of K and V, worked out while the registers are there (a division by a value
+    // known at run time takes more than the producer keeps)
+    int kv_head = vhead / p.group_split;
+    asm volatile("" : "+r"(kv_head));
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if (walk.empty()) return;
     if (warp == 0 && lane == 0) {
@@ -394,9 +407,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       cute::copy(args.tma_k.with(reinterpret_cast<uint64_t&>(kv_full)), tKgK, tKsK);
       cute::copy(args.tma_v.with(reinterpret_cast<uint64_t&>(kv_full)), tVgV, tVsV);
 
-      for (int t = 0; t < walk.steps(p.group); ++t) {
+      for (int t = 0; t < walk.steps(p.part_heads); ++t) {
         const sm90::BwdStep<kStages> at(walk, t);
-        const int head = kv_head * p.group + at.g;
+        const int head = vhead * p.part_heads + at.g;
         Tensor gQ = local_tile(domain_offset(make_coord(q_first, _0{}), mQ(_, _, head, view)),
                                tile_q, make_coord(at.m, _0{}));
         Tensor gDo = local_tile(domain_offset(make_coord(q_first, _0{}), mDo(_, _, head, view)),
@@ -424,10 +437,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // the semaphores' row blocks per (batch, head): the longest sequence's when packed
       const int sem_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
       auto thr_tma_dq = args.tma_dq.get_slice(_0{});
-      const int steps = walk.steps(p.group);
+      const int steps = walk.steps(p.part_heads);
       for (int t = 0; t < steps; ++t) {
         const sm90::BwdStep<kStages> at(walk, t);
-        const int head = kv_head * p.group + at.g;
+        const int head = vhead * p.part_heads + at.g;
         int* sem = nullptr;
         int turn = 0;
         CUTE_UNROLL
@@ -512,8 +525,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   static_assert(2 * kBlockM <= kConsumerThreads, "one statistic per consumer thread");
   // Row r of the group's head g is element stat0 + g * stat_stride + r of lse and D: (batch,
   // heads_q, seqlen_q), or packed (heads_q, total_q) from the sequence's first row on.
-  const int64_t stat0 = varlen ? int64_t(kv_head) * p.group * p.total_q + q_first
-                               : (int64_t(batch) * p.heads_q + kv_head * p.group) * p.seqlen_q;
+  const int64_t stat0 = varlen ? int64_t(vhead) * p.part_heads * p.total_q + q_first
+                               : (int64_t(batch) * p.heads_q + vhead * p.part_heads) * p.seqlen_q;
   const int stat_stride = varlen ? p.total_q : p.seqlen_q;
   auto load_stat = [&](int t) -> float {
     const sm90::BwdStep<kStages> at(walk, t);
@@ -608,7 +621,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const float mult = softcap_on ? p.softcap_log2 : p.scale_log2;
       const float cap_in = p.softcap_in;
       const float alibi_log2 =
-          alibi_on ? p.alibi_slopes[int64_t(batch) * p.alibi_batch_stride + kv_head * p.group +
+          alibi_on ? p.alibi_slopes[int64_t(batch) * p.alibi_batch_stride + vhead * p.part_heads +
                                     at.g] * kLog2e
                    : 0.f;
       // |i + diag - j| for query i = row0 + qi, key j: the thread's distance at its first
@@ -743,7 +756,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (lane == 0) empty[at.stage].arrive();
   };
 
-  const int steps = walk.steps(p.group);
+  const int steps = walk.steps(p.part_heads);
   // the statistics of step 0 in their buffer, those of step 1 loaded (the value for step
   // t + 1 is loaded one step before it is stored), K and V landed
   float pending = 0.f;
@@ -861,11 +874,40 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   // ---- epilogue: dK (times the softmax scale) and dV, straight from the accumulators ----
   Tensor tDcD = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  if (p.group_split > 1) {
+    // a part of the group: its fp32 sums as they are (dense only; the scale comes with the
+    // sum), into p.dkv_part (2, batch, heads_kv * split, seqlen_k, head_dim) at the grid's
+    // (kv head, part) pair vhead: dK's parts, then dV's
+    const int64_t part_elems = int64_t(p.batch) * p.heads_kv * p.group_split * p.seqlen_k * kHeadDim;
+    float* dk_part = p.dkv_part + (int64_t(view) * p.heads_kv * p.group_split + vhead) *
+                                      p.seqlen_k * kHeadDim;
+    float* dv_part = dk_part + part_elems;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dk); i += 2) {
+      const int key = key0 + get<0>(tDcD(i));
+      const int64_t at = int64_t(key) * kHeadDim + get<1>(tDcD(i));
+      if (get<0>(tDcD(i + 1)) != get<0>(tDcD(i)) || get<1>(tDcD(i + 1)) != get<1>(tDcD(i)) + 1) {
+        CUTE_UNROLL
+        for (int j = i; j < i + 2; ++j) {  // not a pair: one element each
+          const int kj = key0 + get<0>(tDcD(j));
+          if (kj < seqlen_k) {
+            dk_part[int64_t(kj) * kHeadDim + get<1>(tDcD(j))] = acc_dk(j);
+            dv_part[int64_t(kj) * kHeadDim + get<1>(tDcD(j))] = acc_dv(j);
+          }
+        }
+        continue;
+      }
+      if (key >= seqlen_k) continue;
+      *reinterpret_cast<float2*>(dk_part + at) = make_float2(acc_dk(i), acc_dk(i + 1));
+      *reinterpret_cast<float2*>(dv_part + at) = make_float2(acc_dv(i), acc_dv(i + 1));
+    }
+    return;
+  }
   // (packed: view 0, the sequence's rows from k_first on, its keys only; dense: k_first 0)
   T* dk_ptr = static_cast<T*>(p.dk) + view * p.dk_batch_stride + int64_t(k_first) * p.dk_row_stride +
-              kv_head * p.dk_head_stride;
+              vhead * p.dk_head_stride;  // (no split: vhead is the kv head)
   T* dv_ptr = static_cast<T*>(p.dv) + view * p.dv_batch_stride + int64_t(k_first) * p.dv_row_stride +
-              kv_head * p.dv_head_stride;
+              vhead * p.dv_head_stride;
   const float scale = p.scale;
   static_assert(decltype(size(acc_dk))::value % 2 == 0, "accumulators hold column pairs");
   CUTE_UNROLL

@@ -1,7 +1,7 @@
 // Host side of one Hopper backward configuration: the TMA descriptors (loads of Q, dO, K, V; the
 // reduce-add into the fp32 dQ workspace), the three launches
 // (preprocess, main kernel, dQ conversion; their packed-sequence forms when cu_seqlens are
-// set) and the registration.
+// set), a fourth with a group split (the sum of dK's and dV's parts) and the registration.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -30,6 +30,11 @@ cudaError_t launch_sm90_bwd(BwdParams const& p, cudaStream_t stream) {
   if (!sm90_tma_compatible<T>(p) || !tma_pointer_ok(p.dout) ||
       !tma_stride_ok<T>(p.do_row_stride) || !tma_stride_ok<T>(p.do_head_stride) ||
       !(packed || tma_stride_ok<T>(p.do_batch_stride))) {
+    return cudaErrorInvalidValue;
+  }
+  // the group split (BwdParams::group_split): dense only, a divisor of the group, with partials
+  const int split = p.group_split;
+  if (split < 1 || p.group % split != 0 || (split > 1 && (packed || p.dkv_part == nullptr))) {
     return cudaErrorInvalidValue;
   }
   constexpr int kSmem = Traits::kSmemBytes;
@@ -101,8 +106,10 @@ cudaError_t launch_sm90_bwd(BwdParams const& p, cudaStream_t stream) {
   // (p.seqlen_k), for every sequence as the batch; a block past its sequence's keys leaves at
   // once.
   const int key_blocks = ceil_div(p.seqlen_k, Traits::kBlockN);
-  dim3 grid(key_blocks, p.heads_kv, p.batch);
+  // (with the group split, each kv head is `split` (kv head, part) pairs of the grid)
+  dim3 grid(key_blocks, p.heads_kv * split, p.batch);
   args.p.tile_section = 0;
+  args.p.part_heads = p.group / split;
   if (p.causal || p.window_right >= 0) {
     // Limited on the right: key blocks of unequal weight (causal: the first the heaviest).
     // The (kv head, batch) pairs in sections whose Q, dO and fp32 dQ workspace take at most
@@ -119,8 +126,9 @@ cudaError_t launch_sm90_bwd(BwdParams const& p, cudaStream_t stream) {
     }
     int sms = 0;
     if (cudaError_t e = sm_count(sms); e != cudaSuccess) return e;
-    const int64_t pair_bytes = int64_t(p.group) * p.seqlen_q * Traits::kHeadDim * (2 * int64_t(sizeof(T)) + 4);
-    const int64_t pairs = int64_t(p.heads_kv) * p.batch;
+    const int64_t pair_bytes =
+        int64_t(p.group / split) * p.seqlen_q * Traits::kHeadDim * (2 * int64_t(sizeof(T)) + 4);
+    const int64_t pairs = int64_t(p.heads_kv) * split * p.batch;
     const int64_t per = sm90_bwd_section_pairs(pairs, key_blocks, pair_bytes, sms, budget_mb);
     if (per > 1 && key_blocks <= 65535) {  // (grid y's limit)
       args.p.tile_section = int(per);
@@ -130,6 +138,12 @@ cudaError_t launch_sm90_bwd(BwdParams const& p, cudaStream_t stream) {
   kernel<<<grid, Traits::kThreads, kSmem, stream>>>(args);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
+  if (split > 1) {
+    const dim3 key_grid(ceil_div(p.seqlen_k, kRowKernelRows), p.heads_kv, p.batch);
+    bwd_sum_dkv_kernel<T><<<key_grid, kRowKernelThreads, 0, stream>>>(p);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
   if (packed) {
     bwd_convert_dq_packed_kernel<T><<<row_grid, kRowKernelThreads, 0, stream>>>(p);
   } else {
