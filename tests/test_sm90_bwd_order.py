@@ -71,3 +71,12 @@ def section_pairs(tmp_path_factory):
 @pytest.mark.parametrize("what", list(CASES))
 def test_section_pairs(section_pairs, what):
     assert section_pairs[list(CASES).index(what)] == CASES[what][-1], what
+
+
+@pytest.mark.parametrize("what", list(CASES))
+def test_the_group_splits_model_orders_its_grids_as_the_launch_does(what):
+    """sparktune.kernels.sm90_bwd_split models the launch's order with a Python copy of the
+    rule: the same sections for every case (the C++ header's values are checked above)."""
+    from sparktune.kernels.sm90_bwd_split import _section_pairs
+
+    assert _section_pairs(*_args(*CASES[what])) == CASES[what][-1], what

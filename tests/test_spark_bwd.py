@@ -498,6 +498,8 @@ def test_sm90_backward_block_orders_give_the_same_gradients(name, monkeypatch):
     b = SparkBackend()
     _, dtype, d, _ = _runnable(b, name)  # (skips where the GPU is not sm_90)
     eps = torch.finfo(dtype).eps
+    # the group split changes how dk and dv are summed: kept off here (its own test below)
+    monkeypatch.setenv("SPARKTUNE_SM90_BWD_GROUP_SPLIT", "1")
     bs, hq, hk, n = 3, 6, 3, 1000
     pair_mb = (hq // hk) * n * d * (2 * 2 + 4) / 2**20  # Q, dO and the fp32 dQ workspace
     # 1, 3, 4, 9 pairs; "" the default (9 pairs x 8 key blocks fit two waves: one section)
@@ -531,3 +533,58 @@ def test_sm90_backward_block_orders_give_the_same_gradients(name, monkeypatch):
                     move = float((g0.float() - g.float()).abs().max())
                     assert move <= 2 * eps * float(g0.float().abs().max()) + 1e-6, (
                         f"{what} budget {mb} MB: dq moved by {move:.3g}")
+
+
+@pytest.mark.gpu
+@needs_ext
+@pytest.mark.parametrize("name", SM90_KERNELS)
+def test_sm90_backward_group_split_gives_the_same_gradients(name, monkeypatch):
+    """The group split (sparktune.kernels.sm90_bwd_split; SPARKTUNE_SM90_BWD_GROUP_SPLIT, read
+    at each call): a GQA 8:2 problem's groups walked by 1, 2 and 4 blocks each, and the rule's
+    own choice ("rule": this small grid splits), causal, non-causal and a sliding window. Each
+    within the 2x rule of float64 autograd; dk and dv of the splits within a few roundings of
+    the unsplit ones (their fp32 parts are added in another order); in deterministic mode dq's
+    bits the same whatever the split (each row block's sum in the same key-block order) and
+    every split's three gradients the same bits on a second run."""
+    from sparktune.kernels.sm90_bwd_split import group_split
+
+    b = SparkBackend()
+    k_info, dtype, d, _ = _runnable(b, name)  # (skips where the GPU is not sm_90)
+    eps = torch.finfo(dtype).eps
+    bs, hq, hk, n = 2, 8, 2, 777
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    monkeypatch.delenv("SPARKTUNE_SM90_BWD_GROUP_SPLIT", raising=False)
+    chosen = group_split(bs, hk, hq // hk, n, n, k_info["block_m"], k_info["block_n"], d, 2, True,
+                         None, sms, environ={"SPARKTUNE_SM90_BWD_GROUP_SPLIT": "rule"})
+    assert chosen > 1, f"the rule no longer splits this problem ({chosen}): pick another"
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v, dout = (torch.randn(bs, h, n, d, device="cuda", dtype=dtype, generator=gen)
+                     for h in (hq, hk, hk, hq))
+    scale = d ** -0.5
+    for causal, window in ((True, None), (False, None), (False, (200, 30))):
+        kw = {"window": window} if window else {}
+        out, lse = _forward(q, k, v, causal, scale, **kw)
+        what = f"{name} causal={causal} window={window}"
+        runs = {}
+        for split in ("1", "2", "4", "rule"):
+            monkeypatch.setenv("SPARKTUNE_SM90_BWD_GROUP_SPLIT", split)
+            for det in (True, False):
+                runs[split, det] = _backward(b, name, dout, q, k, v, out, lse, causal, scale,
+                                             deterministic=det, **kw)
+            again = _backward(b, name, dout, q, k, v, out, lse, causal, scale,
+                              deterministic=True, **kw)
+            for g0, g, gname in zip(runs[split, True], again, ("dq", "dk", "dv"), strict=True):
+                assert torch.equal(g0, g), f"{what} split {split}: {gname} moved"
+            if not window:
+                assert_grads_close_to_reference(runs[split, False], q, k, v, dout, causal=causal,
+                                                scale=scale, what=f"{what} split {split}")
+        base = runs["1", True]
+        for (split, det), grads in runs.items():
+            for g0, g, gname in zip(base, grads, ("dq", "dk", "dv"), strict=True):
+                assert not torch.isnan(g).any(), f"{what} split {split}: unwritten or NaN {gname}"
+                if det and gname == "dq":
+                    assert torch.equal(g0, g), f"{what} split {split}: deterministic dq differs"
+                    continue
+                move = float((g0.float() - g.float()).abs().max())
+                assert move <= 4 * eps * float(g0.float().abs().max()) + 1e-6, (
+                    f"{what} split {split} det={det}: {gname} moved by {move:.3g}")

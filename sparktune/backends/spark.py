@@ -22,6 +22,7 @@ from ..kernels.kernel_space import (
     is_persistent_sm90_fwd,
     is_unverified,
 )
+from ..kernels.sm90_bwd_split import group_split
 from .base import Backend
 
 if TYPE_CHECKING:
@@ -66,6 +67,13 @@ def load_extension() -> tuple[Any, str | None]:
     except ImportError as exc:
         return None, f"the compiled extension sparktune._C is not installed ({exc})"
     return _C, None
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    import torch
+
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
 @functools.cache
@@ -528,7 +536,9 @@ class SparkBackend(Backend):
         """Write the gradients of attention(q, k, v) for ``dout`` into dq, dk, dv (any strides
         with a contiguous last dimension; GQA: dk and dv have k's heads). ``out`` and ``lse`` are
         the forward's. Two fp32 workspaces are allocated per call: the dQ sum (q's size) and
-        D = rowsum(dout * out). ``deterministic`` (family 90 only): a third, int32 counters per
+        D = rowsum(dout * out); a GQA launch of the family 90 with too few (kv head, batch)
+        pairs to fill the GPU also takes a third, the fp32 parts of dK and dV of its group
+        split (:func:`sparktune.kernels.sm90_bwd_split.group_split`). ``deterministic`` (family 90 only): a third, int32 counters per
         query row block, makes the key blocks add their dQ parts in a fixed order.
 
         Packed sequences (``cu_seqlens_*`` given, family 90 kernels only, ``bwd_sm90_*``): q,
@@ -660,6 +670,21 @@ class SparkBackend(Backend):
             dq_accum = torch.empty((b, hq, nq, d), device=q.device, dtype=torch.float32)
             dsum = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
             extra = {}
+        # the group split (sparktune.kernels.sm90_bwd_split): few (kv head, batch) pairs of a
+        # GQA problem walked by several blocks per group, their dK and dV parts summed after
+        dkv_part = None
+        if info["family"] == 90 and hq > hk and not packed:
+            win = feat.get("window_left", -1), feat.get("window_right", -1)
+            split = group_split(
+                b, hk, hq // hk, nq, nk, int(info["block_m"]), int(info["block_n"]), d,
+                q.element_size(), bool(causal), win if win != (-1, -1) else None,
+                _sm_count(q.device.index if q.device.index is not None else
+                          torch.cuda.current_device()),
+            )
+            if split > 1:
+                dkv_part = torch.empty((2, b, hk * split, nk, d), device=q.device,
+                                       dtype=torch.float32)
+                extra.update(group_split=split, dkv_part=dkv_part.data_ptr())
         slopes = None
         if featured:
             slopes = feat.pop("alibi_slopes", None)  # held until the launch is queued
