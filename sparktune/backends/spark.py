@@ -536,10 +536,10 @@ class SparkBackend(Backend):
         """Write the gradients of attention(q, k, v) for ``dout`` into dq, dk, dv (any strides
         with a contiguous last dimension; GQA: dk and dv have k's heads). ``out`` and ``lse`` are
         the forward's. Two fp32 workspaces are allocated per call: the dQ sum (q's size) and
-        D = rowsum(dout * out); a GQA launch of the family 90 with too few (kv head, batch)
-        pairs to fill the GPU also takes a third, the fp32 parts of dK and dV of its group
-        split (:func:`sparktune.kernels.sm90_bwd_split.group_split`). ``deterministic`` (family 90 only): a third, int32 counters per
-        query row block, makes the key blocks add their dQ parts in a fixed order.
+        D = rowsum(dout * out). ``deterministic`` (family 90 only): a third, int32 counters per
+        query row block, makes the key blocks add their dQ parts in a fixed order. A family 90
+        GQA launch with a group split (:func:`sparktune.kernels.sm90_bwd_split.group_split`)
+        also takes the fp32 parts of dK and dV.
 
         Packed sequences (``cu_seqlens_*`` given, family 90 kernels only, ``bwd_sm90_*``): q,
         out, dout, dq are (total_q, Hq, D), k, v, dk, dv (total_k, Hkv, D), ``lse``

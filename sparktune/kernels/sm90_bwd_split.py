@@ -83,7 +83,6 @@ def _row_blocks_seen(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, c
     return out
 
 
-@functools.lru_cache(maxsize=256)
 def modelled_time(split: int, batch: int, heads_kv: int, group: int, seqlen_q: int,
                   seqlen_k: int, block_m: int, block_n: int, head_dim: int, elem_bytes: int,
                   causal: bool, window: tuple[int, int] | None, sms: int,

@@ -52,22 +52,38 @@ CUTE_DEVICE float preprocess_row(T const* o, T const* dout, float* acc, int head
   return sum;
 }
 
+// 16 bytes of the input type T at out: scale * v[i] for the 16 / sizeof(T) floats of v.
+template <class T>
+CUTE_DEVICE void store_scaled16(float const* v, T* out, float scale) {
+  constexpr int kVec = 16 / sizeof(T);
+  uint4 raw;
+  T* o = reinterpret_cast<T*>(&raw);
+  CUTE_UNROLL
+  for (int i = 0; i < kVec; ++i) o[i] = static_cast<T>(v[i] * scale);
+  *reinterpret_cast<uint4*>(out) = raw;
+}
+
+// v[i] += src[i] for the kVec floats at src (16-byte aligned), in float4 loads.
+template <int kVec>
+CUTE_DEVICE void add_floats(float* v, float const* src) {
+  CUTE_UNROLL
+  for (int i = 0; i < kVec; i += 4) {
+    const float4 a = *reinterpret_cast<float4 const*>(src + i);
+    v[i + 0] += a.x;
+    v[i + 1] += a.y;
+    v[i + 2] += a.z;
+    v[i + 3] += a.w;
+  }
+}
+
 // One lane's columns of a query row of dQ: scale * workspace, in the input type.
 template <class T>
 CUTE_DEVICE void convert_dq_row(float const* acc, T* dq, int head_dim, float scale, int lane) {
   constexpr int kVec = 16 / sizeof(T);
   for (int c = lane * kVec; c < head_dim; c += kVec * kRowLanes) {
-    uint4 raw;
-    T* out = reinterpret_cast<T*>(&raw);
-    CUTE_UNROLL
-    for (int i = 0; i < kVec; i += 4) {
-      const float4 a = *reinterpret_cast<float4 const*>(acc + c + i);
-      out[i + 0] = static_cast<T>(a.x * scale);
-      out[i + 1] = static_cast<T>(a.y * scale);
-      out[i + 2] = static_cast<T>(a.z * scale);
-      out[i + 3] = static_cast<T>(a.w * scale);
-    }
-    *reinterpret_cast<uint4*>(dq + c) = raw;
+    float v[kVec] = {};
+    add_floats<kVec>(v, acc + c);
+    store_scaled16(v, dq + c, scale);
   }
 }
 
@@ -133,24 +149,9 @@ __global__ void __launch_bounds__(kRowKernelThreads)
                               head * p.dv_head_stride + row * p.dv_row_stride;
     const float scale = which == 0 ? p.scale : 1.f;
     for (int c = lane * kVec; c < p.head_dim; c += kVec * kRowLanes) {
-      float sum[kVec];
-      CUTE_UNROLL
-      for (int i = 0; i < kVec; ++i) sum[i] = 0.f;
-      for (int s = 0; s < p.group_split; ++s) {
-        CUTE_UNROLL
-        for (int i = 0; i < kVec; i += 4) {
-          const float4 a = *reinterpret_cast<float4 const*>(part + s * part_elems + c + i);
-          sum[i + 0] += a.x;
-          sum[i + 1] += a.y;
-          sum[i + 2] += a.z;
-          sum[i + 3] += a.w;
-        }
-      }
-      uint4 raw;
-      T* o = reinterpret_cast<T*>(&raw);
-      CUTE_UNROLL
-      for (int i = 0; i < kVec; ++i) o[i] = static_cast<T>(sum[i] * scale);
-      *reinterpret_cast<uint4*>(out + c) = raw;
+      float sum[kVec] = {};
+      for (int s = 0; s < p.group_split; ++s) add_floats<kVec>(sum, part + s * part_elems + c);
+      store_scaled16(sum, out + c, scale);
     }
   }
 }

@@ -378,8 +378,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   if (warpgroup == 0) {
     // ================================ producer ================================
-    // the kv head of K and V, worked out while the registers are there (a division by a value
-    // known at run time takes more than the producer keeps)
+    // the kv head of K and V, worked out before the producer gives its registers away (the
+    // build that spilled in the one-consumer configurations divided after it; with this and the
+    // 40 registers of sm90_bwd_config.h, ptxas spills nowhere)
     int kv_head = vhead / p.group_split;
     asm volatile("" : "+r"(kv_head));
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();

@@ -127,7 +127,7 @@ cudaError_t launch_sm90_bwd(BwdParams const& p, cudaStream_t stream) {
     int sms = 0;
     if (cudaError_t e = sm_count(sms); e != cudaSuccess) return e;
     const int64_t pair_bytes =
-        int64_t(p.group / split) * p.seqlen_q * Traits::kHeadDim * (2 * int64_t(sizeof(T)) + 4);
+        int64_t(args.p.part_heads) * p.seqlen_q * Traits::kHeadDim * (2 * int64_t(sizeof(T)) + 4);
     const int64_t pairs = int64_t(p.heads_kv) * split * p.batch;
     const int64_t per = sm90_bwd_section_pairs(pairs, key_blocks, pair_bytes, sms, budget_mb);
     if (per > 1 && key_blocks <= 65535) {  // (grid y's limit)
