@@ -141,3 +141,35 @@ def test_attention_timer_brackets_forward_and_backward():
     assert len(timer.spans) == 2 and timer.open == []
     assert q.grad is not None and k.grad is not None and v.grad is not None
     assert timer.total_ms() >= 0
+
+
+def test_attention_timer_counts_its_spans_and_the_table_marks_unpaired_ones():
+    timer = models._AttentionTimer(models._Clock(torch.device("cpu")))
+
+    def attention(module, q, k, v, mask, **kwargs):
+        return torch.softmax(q @ k.transpose(-1, -2), -1) @ v, None
+
+    timed = timer.wrap(attention)
+    timer.enabled = True
+    q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
+    outs = [timed(None, q, k, v, None)[0] for _ in range(3)]
+    assert timer.counts() == (3, 0, 0)
+    sum(o.sum() for o in outs).backward()
+    assert timer.counts() == (3, 3, 0)
+    # a backward end without its start (as if a start's mark were lost): counted, not paired
+    models._BackwardEnds.apply(timer, q, k, v)[0].sum().backward()
+    assert timer.counts() == (3, 3, 1) and len(timer.spans) == 6
+    # a start still open at the end of the step counts as unpaired too
+    timer.reset()
+    out = timed(None, q, k, v, None)[0]
+    models._BackwardStarts.apply(timer, out.detach().requires_grad_()).sum().backward()
+    assert timer.counts() == (1, 0, 1)
+
+    def result(spans):
+        return models.ImplResult("x", 1.0, [1.0], 1.0, None, 0.1, 0.1, spans)
+
+    assert models._doubt("train", result((4, 4, 0))) == ""
+    assert models._doubt("train", result((4, 3, 0))) == "?"
+    assert models._doubt("train", result((4, 4, 1))) == "?"
+    assert models._doubt("prefill", result((4, 0, 0))) == ""
+    assert models._doubt("train", result(None)) == ""

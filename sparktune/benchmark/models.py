@@ -32,7 +32,10 @@ the attention share of the step: every attention call is bracketed with CUDA eve
 around the call; backward: by identity autograd nodes on its inputs and its output, whose
 backward passes record an event), so the share is the GPU time between those events over the
 step time. That costs two events per call and direction; ``--no-attention-timing`` leaves the
-attention functions unwrapped. Per case, also: the ratio of sparktune's tokens per second to
+attention functions unwrapped. The timer also counts its spans (``attention_spans``: forward,
+backward, unpaired marks); a share marked ``?`` in the table comes from spans that do not pair
+up (a training step with fewer backward spans than forward ones, or an end without its start),
+so it misses some backward time. Per case, also: the ratio of sparktune's tokens per second to
 SDPA's, the selections sparktune's dispatch made in the sparktune steps by source (``tuned``,
 ``nearest``, ``default``; :func:`sparktune.dispatch.counters`), the kernels dispatch names
 for the case's forward and backward problems (:func:`sparktune.explain`), the integration's
@@ -220,6 +223,9 @@ class _BackwardEnds(torch.autograd.Function):
         timer = ctx.timer
         if timer.open:
             timer.spans.append((timer.open.pop(), timer.clock.mark()))
+            timer.backward_spans += 1
+        else:  # an end without its start: the share misses that backward
+            timer.unpaired += 1
         return None, dq, dk, dv
 
 
@@ -233,10 +239,23 @@ class _AttentionTimer:
         self.spans: list[tuple[Any, Any]] = []
         #: backward starts waiting for their end
         self.open: list[Any] = []
+        #: forward and backward spans recorded since the last reset, and backward marks that
+        #: found no partner (an end without a start); with the starts still open at the end of
+        #: a step, they say whether the share can be trusted (a training step has as many
+        #: backward spans as forward ones, and nothing unpaired)
+        self.forward_spans = 0
+        self.backward_spans = 0
+        self.unpaired = 0
 
     def reset(self) -> None:
         self.spans.clear()
         self.open.clear()
+        self.forward_spans = self.backward_spans = self.unpaired = 0
+
+    def counts(self) -> tuple[int, int, int]:
+        """(forward spans, backward spans, unpaired marks: ends without a start and starts
+        still open) since the last reset."""
+        return self.forward_spans, self.backward_spans, self.unpaired + len(self.open)
 
     def total_ms(self) -> float:
         return sum(self.clock.ms(a, b) for a, b in self.spans)
@@ -253,6 +272,7 @@ class _AttentionTimer:
             start = self.clock.mark()
             out, weights = fn(module, query, key, value, *args, **kwargs)
             self.spans.append((start, self.clock.mark()))
+            self.forward_spans += 1
             if grad:
                 out = _BackwardStarts.apply(self, out)
             return out, weights
@@ -300,6 +320,11 @@ class ImplResult:
     #: attention time per step, milliseconds, and its share of the step (None: not timed)
     attention_ms: float | None
     attention_share: float | None
+    #: the attention timer's spans over the timed steps: forward spans, backward spans, and
+    #: unpaired backward marks (None: not timed); a training run whose backward spans differ
+    #: from its forward ones, or with unpaired marks, has a share that misses some backward
+    #: time (the table marks it with "?")
+    attention_spans: tuple[int, int, int] | None = None
 
 
 @dataclass
@@ -481,6 +506,7 @@ def run_case(
     step_tokens = batch * (new_tokens if mode == "decode" else seqlen)
     times: dict[str, list[float]] = {name: [] for name in IMPLEMENTATIONS}
     attention: dict[str, float] = dict.fromkeys(IMPLEMENTATIONS, 0.0)
+    spans: dict[str, list[int]] = {name: [0, 0, 0] for name in IMPLEMENTATIONS}
     peaks: dict[str, float] = dict.fromkeys(IMPLEMENTATIONS, 0.0)
     first: dict[str, torch.Tensor] = {}
     dispatch_counts: dict[str, int] = {}
@@ -511,6 +537,7 @@ def run_case(
             if timer is not None:
                 timer.enabled = False
                 attention[name] += timer.total_ms()
+                spans[name] = [a + b for a, b in zip(spans[name], timer.counts(), strict=True)]
             if name == "sparktune":
                 for k, v in _delta(dispatch.counters(), d0).items():
                     dispatch_counts[k] = dispatch_counts.get(k, 0) + v
@@ -532,6 +559,7 @@ def run_case(
             peak_gib=peaks[name] if clock.cuda else None,
             attention_ms=attn,
             attention_share=attention[name] / total if timer is not None and total else None,
+            attention_spans=tuple(spans[name]) if timer is not None else None,
         )
     return CaseResult(
         preset=preset.name,
@@ -556,6 +584,15 @@ def _counts_text(counts: dict[str, int]) -> str:
     return " ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "-"
 
 
+def _doubt(mode: str, result: ImplResult) -> str:
+    """"?" where the attention timer's spans do not pair up (:attr:`ImplResult.attention_spans`):
+    the share misses some backward time."""
+    if result.attention_spans is None:
+        return ""
+    fwd, bwd, unpaired = result.attention_spans
+    return "?" if unpaired or (mode == "train" and bwd != fwd) else ""
+
+
 def render(cases: Sequence[CaseResult]) -> str:
     """The table of results, one line per case, and the geometric mean of the ratios."""
     head = (
@@ -571,7 +608,7 @@ def render(cases: Sequence[CaseResult]) -> str:
             else "-"
         )
         share = (
-            f"{st.attention_share:.0%}/{sd.attention_share:.0%}"
+            f"{st.attention_share:.0%}{_doubt(c.mode, st)}/{sd.attention_share:.0%}{_doubt(c.mode, sd)}"
             if st.attention_share is not None and sd.attention_share is not None
             else "-"
         )
