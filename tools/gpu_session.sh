@@ -23,6 +23,9 @@
 #       decoderecords:SECONDS (shipped records of recipes/decode.yaml, the Triton decode
 #       configs and SDPA on the sliced cache, 20 trials and 14 s a problem as for the shipped
 #       H200 ones, into the same database and export as the records steps).
+#       groupsplit (the Hopper backward's group split: its GPU test and the block orders',
+#       then bench/gqa_bwd.py's A/B of the splits against SDPA and cuDNN at GQA 16:4, 16:2
+#       and 32:8, head dim 128, bf16, causal; the A/B that decides sm90_bwd_split.RULE_ON).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -114,6 +117,17 @@ for step in "$@"; do
       timeout "${step#decoderecords:}" python3 -m sparktune tune --recipe recipes/decode.yaml --trials 20 \
         --timeout 14 --no-leases --no-progress --db /tmp/records.sqlite3 >> "$logs/records.log" 2>&1 || rc=1
       export_records ;;
+    groupsplit)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_spark_bwd.py \
+        -k "group_split or block_orders or default_backward" > "$logs/groupsplit_tests.log" 2>&1 || rc=1
+      tail -1 "$logs/groupsplit_tests.log"
+      for gqa in "16 4 1024,2048,4096,8192 1,2,4,rule" "16 2 2048,4096,8192 1,2,4,8,rule" \
+                 "32 8 1024,2048,4096 1,2,4,rule"; do
+        read -r hq hk lens splits <<< "$gqa"
+        timeout 120 python3 bench/gqa_bwd.py --heads "$hq" --heads-kv "$hk" --seqlens "$lens" \
+          --splits "$splits" >> "$logs/groupsplit_bench.log" 2>&1 || rc=1
+      done
+      grep -E "^hd|^#" "$logs/groupsplit_bench.log" ;;
     recipe:*)
       IFS=: read -r _ file secs <<< "$step"
       timeout "$secs" python3 -m sparktune tune --recipe "$file" --no-leases --no-progress \
