@@ -223,7 +223,6 @@ class _BackwardEnds(torch.autograd.Function):
         timer = ctx.timer
         if timer.open:
             timer.spans.append((timer.open.pop(), timer.clock.mark()))
-            timer.backward_spans += 1
         else:  # an end without its start: the share misses that backward
             timer.unpaired += 1
         return None, dq, dk, dv
@@ -239,23 +238,23 @@ class _AttentionTimer:
         self.spans: list[tuple[Any, Any]] = []
         #: backward starts waiting for their end
         self.open: list[Any] = []
-        #: forward and backward spans recorded since the last reset, and backward marks that
-        #: found no partner (an end without a start); with the starts still open at the end of
-        #: a step, they say whether the share can be trusted (a training step has as many
-        #: backward spans as forward ones, and nothing unpaired)
+        #: forward spans recorded since the last reset (the rest of ``spans`` are backward
+        #: ones), and backward marks that found no partner (an end without a start); with the
+        #: starts still open at the end of a step, they say whether the share can be trusted (a
+        #: training step has as many backward spans as forward ones, and nothing unpaired)
         self.forward_spans = 0
-        self.backward_spans = 0
         self.unpaired = 0
 
     def reset(self) -> None:
         self.spans.clear()
         self.open.clear()
-        self.forward_spans = self.backward_spans = self.unpaired = 0
+        self.forward_spans = self.unpaired = 0
 
     def counts(self) -> tuple[int, int, int]:
         """(forward spans, backward spans, unpaired marks: ends without a start and starts
         still open) since the last reset."""
-        return self.forward_spans, self.backward_spans, self.unpaired + len(self.open)
+        backward = len(self.spans) - self.forward_spans
+        return self.forward_spans, backward, self.unpaired + len(self.open)
 
     def total_ms(self) -> float:
         return sum(self.clock.ms(a, b) for a, b in self.spans)
